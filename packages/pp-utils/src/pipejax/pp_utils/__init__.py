@@ -1,6 +1,11 @@
 """pipejax.pp_utils: stage math, intermediate tensors, stage meshes, activation transport, topology."""
 
-from pipejax.pp_utils.intermediate import IntermediateSpec, IntermediateTensors, SpecMismatchError, TensorSpec
+from pipejax.pp_utils.intermediate import (
+    IntermediateSpec,
+    IntermediateTensors,
+    SpecMismatchError,
+    TensorSpec,
+)
 from pipejax.pp_utils.mesh import (
     TP_AXIS,
     ShardingRules,
@@ -10,8 +15,18 @@ from pipejax.pp_utils.mesh import (
     stage_mesh,
     stage_meshes,
 )
-from pipejax.pp_utils.partition import PARTITION_ENV, parse_partition, stage_layer_counts, stage_layer_range
-from pipejax.pp_utils.topology import RankedWorker, WorkerRecord, rank_to_pp_tp, rank_workers
+from pipejax.pp_utils.partition import (
+    PARTITION_ENV,
+    parse_partition,
+    stage_layer_counts,
+    stage_layer_range,
+)
+from pipejax.pp_utils.topology import (
+    RankedWorker,
+    WorkerRecord,
+    rank_to_pp_tp,
+    rank_workers,
+)
 from pipejax.pp_utils.transport import (
     DEFAULT_RECEIVE_TIMEOUT_S,
     ActivationTransport,

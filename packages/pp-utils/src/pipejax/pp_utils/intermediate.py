@@ -50,7 +50,11 @@ class IntermediateTensors(Mapping):
         return len(self.tensors)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{k}={TensorSpec.of(v).describe()}" for k, v in self.tensors.items())
+        # Leaves need not be arrays: the same pytree also carries shardings or in_axes.
+        def show(v: Any) -> str:
+            return TensorSpec.of(v).describe() if hasattr(v, "shape") and hasattr(v, "dtype") else repr(v)
+
+        inner = ", ".join(f"{k}={show(v)}" for k, v in self.tensors.items())
         return f"IntermediateTensors({inner})"
 
     def tree_flatten(self):
@@ -58,7 +62,7 @@ class IntermediateTensors(Mapping):
 
     @classmethod
     def tree_unflatten(cls, names, arrays):
-        return cls(dict(zip(names, arrays)))
+        return cls(dict(zip(names, arrays, strict=True)))
 
     def spec(self, sharding: Mapping[str, jax.sharding.Sharding] | None = None) -> IntermediateSpec:
         sharding = sharding or {}

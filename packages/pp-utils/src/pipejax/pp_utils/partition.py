@@ -2,8 +2,8 @@
 
 Even split rule: every stage gets ``num_layers // pp_size`` layers; the ``r`` remaining layers
 go one each to the ``r`` stages just before the last one (stage ``pp_size - 2``, then
-``pp_size - 3``, ...; ``r < pp_size`` so it never wraps). The last stage is spared because it also runs the final norm, the
-LM head and the sampler; the first stage's embedding lookup is cheap.
+``pp_size - 3``, ...; ``r < pp_size`` so it never wraps). The last stage is spared because it
+also runs the final norm, the LM head and the sampler; the first stage's embedding lookup is cheap.
 
 An explicit partition ("5,6,5", one count per stage) overrides the rule; it comes from the
 caller's config or, when that is unset, from ``PIPEJAX_PP_LAYER_PARTITION``.

@@ -1,0 +1,121 @@
+"""The batch contract between a scheduler and a stage runner, as plain frozen types.
+
+A ``ModelBatch`` is one ragged step: for every scheduled request, the token ids to compute
+now (a prefill chunk or one decode token), where they start, the request's KV block table and
+its sampling parameters. Non-last stages answer with ``IntermediateTensors``; the last stage
+with a ``SamplerOutput``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (the established field names).
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
+    filters. ``seed`` makes one request's samples reproducible whatever it is batched with.
+    ``logprobs=N`` returns the sampled token's logprob and the top N.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        problems = []
+        if not isinstance(self.n, int) or self.n < 1:
+            problems.append(f"n={self.n!r} must be an integer >= 1")
+        if not _finite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1 = disabled)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            problems.append(f"top_k={self.top_k!r} must be an integer >= -1 (0 or -1 = disabled)")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            problems.append(f"min_p={self.min_p!r} must be in [0, 1] (0 = disabled)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            problems.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            problems.append(f"logprobs={self.logprobs!r} must be an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            problems.append(f"seed={self.seed!r} must be an integer")
+        if any(not s for s in self.stop):
+            problems.append(f"stop={self.stop!r} must not contain empty strings")
+        if problems:
+            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids`` are computed at positions ``start_position ...``; ``block_table`` lists the KV
+    blocks that hold positions ``0 ..`` of this request (enough for the tokens of this step).
+    ``sample`` is False for a prefill chunk that does not reach the end of the prompt.
+    ``output_index`` is how many tokens the request has generated so far (seeds its sampler).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_table: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    sample: bool = True
+    output_index: int = 0
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelBatch:
+    step_id: int
+    requests: tuple[ScheduledRequest, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-N alternatives (token id, logprob), best first."""
+
+    sampled: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """The last stage's answer: one token per request that asked to sample (in batch order)."""
+
+    step_id: int
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] = ()

@@ -1,0 +1,174 @@
+"""Frozen configs of the runner: the model (converted from Hugging Face at the edge), the stage,
+and the KV cache / batching limits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pipejax.pp_utils import stage_layer_range
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
+        """Convert a Hugging Face ``config.json`` dict (transformers 4.x or 5.x field names)."""
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; pipejax's JAX runner supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope_src = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        kind = rope_src.get("rope_type", rope_src.get("type", "default")) or "default"
+        if kind not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {kind!r}; pipejax supports 'default' and 'llama3'")
+        rope = RopeConfig(
+            theta=float(rope_src.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            kind=kind,
+            factor=float(rope_src.get("factor", 1.0)),
+            low_freq_factor=float(rope_src.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope_src.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rope_src.get("original_max_position_embeddings", 8192)),
+        )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if arch == "Qwen2ForCausalLM":
+            window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+        elif arch == "MistralForCausalLM":
+            window = hf.get("sliding_window")
+        else:
+            window = None
+        if (
+            window is not None
+            and arch == "Qwen2ForCausalLM"
+            and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
+        ):
+            raise ValueError("Qwen2 with sliding window on only some layers (max_window_layers) is not supported")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope=rope,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            dtype=dtype or _hf_dtype(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(
+                f"no config.json in model path {str(path)!r}; give a folder holding a Hugging Face checkpoint "
+                f"(config.json + *.safetensors), or no model for the built-in one"
+            )
+        return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+
+
+def _hf_dtype(hf: dict) -> str:
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+    if name not in ("float32", "bfloat16"):
+        return "float32" if name == "float16" else name
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+    """Which part of the model this stage runs."""
+
+    pp_rank: int = 0
+    pp_size: int = 1
+    partition: tuple[int, ...] | str | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, model: ModelConfig) -> range:
+        return stage_layer_range(model.num_layers, self.pp_rank, self.pp_size, self.partition)
+
+    def has_embedding(self, model: ModelConfig) -> bool:
+        return self.is_first or (self.is_last and model.tie_word_embeddings)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and batching limits of one stage (the same on every stage)."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size from memory_fraction
+    memory_fraction: float = 0.5  # of the memory JAX reports free per device, or of host RAM on CPU
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two, e.g. 16")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is reserved for padding)")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens={self.max_num_batched_tokens} "
+                "must be >= 1"
+            )

@@ -1,0 +1,275 @@
+"""One pipeline stage of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read top to bottom:
+sharding rules -> parameter specs -> building blocks -> paged attention -> stage forward.
+
+Shapes: T tokens of one ragged step (padded), R request rows (padded), Q the longest query of a
+row (padded), C = blocks per row x block size (context slots), E hidden, H query heads,
+K KV heads (after replication for TP), G = H / K, D head dim, F MLP width, V vocab, L stage layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipejax.pp_utils import ShardingRules
+from pipejax.runner.config import ModelConfig, StageConfig
+
+# --- sharding: logical axes -> the stage mesh's "tp" axis -------------------------------------
+# Column-parallel q/k/v/gate/up (heads, mlp), row-parallel o/down, vocab-parallel embedding and
+# LM head. Everything else is replicated.
+RULES = ShardingRules({"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    logical_axes: tuple[str | None, ...]
+
+
+def kv_heads_for_tp(cfg: ModelConfig, tp: int) -> int:
+    """KV heads after replication: with tp > num_kv_heads each device holds one (repeated) KV head."""
+    if cfg.num_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide num_attention_heads={cfg.num_heads}; "
+            f"use a tp that divides {cfg.num_heads}"
+        )
+    if tp <= cfg.num_kv_heads:
+        if cfg.num_kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide num_key_value_heads={cfg.num_kv_heads}; "
+                f"use a tp that divides {cfg.num_kv_heads} or a multiple of it"
+            )
+        return cfg.num_kv_heads
+    if tp % cfg.num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp} > num_key_value_heads={cfg.num_kv_heads} must be a multiple of it "
+            f"so KV heads can be replicated evenly"
+        )
+    return tp
+
+
+def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, ParamSpec]:
+    """The stage's parameters: flat names -> shape and logical axes. Layer params are stacked [L, ...]."""
+    E, F, V, H, D = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads, cfg.head_dim
+    K = kv_heads_for_tp(cfg, tp)
+    L = len(stage.layer_range(cfg))
+    specs = {
+        "layers.input_norm": ParamSpec((L, E), (None, "embed")),
+        "layers.q": ParamSpec((L, E, H, D), (None, "embed", "heads", None)),
+        "layers.k": ParamSpec((L, E, K, D), (None, "embed", "kv_heads", None)),
+        "layers.v": ParamSpec((L, E, K, D), (None, "embed", "kv_heads", None)),
+        "layers.o": ParamSpec((L, H, D, E), (None, "heads", None, "embed")),
+        "layers.post_norm": ParamSpec((L, E), (None, "embed")),
+        "layers.gate": ParamSpec((L, E, F), (None, "embed", "mlp")),
+        "layers.up": ParamSpec((L, E, F), (None, "embed", "mlp")),
+        "layers.down": ParamSpec((L, F, E), (None, "mlp", "embed")),
+    }
+    if cfg.qkv_bias:
+        specs["layers.q_bias"] = ParamSpec((L, H, D), (None, "heads", None))
+        specs["layers.k_bias"] = ParamSpec((L, K, D), (None, "kv_heads", None))
+        specs["layers.v_bias"] = ParamSpec((L, K, D), (None, "kv_heads", None))
+    if cfg.qk_norm:
+        specs["layers.q_norm"] = ParamSpec((L, D), (None, None))
+        specs["layers.k_norm"] = ParamSpec((L, D), (None, None))
+    if stage.has_embedding(cfg):
+        specs["embed"] = ParamSpec((V, E), ("vocab", "embed"))
+    if stage.is_last:
+        specs["final_norm"] = ParamSpec((E,), ("embed",))
+        if not cfg.tie_word_embeddings:
+            specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"))
+    return specs
+
+
+def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int, block_size: int) -> ParamSpec:
+    """One of the two caches (K or V): [L, num_blocks * block_size, K, D], sharded over KV heads."""
+    L = len(stage.layer_range(cfg))
+    return ParamSpec(
+        (L, num_blocks * block_size, kv_heads_for_tp(cfg, tp), cfg.head_dim), (None, None, "kv_heads", None)
+    )
+
+
+class StepInputs(NamedTuple):
+    """Device arrays describing one padded ragged step (built by ``inputs.py``)."""
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32: cache slot each token's K/V is written to (padding -> slot 0)
+    token_row: jax.Array  # [T] int32: row of each token
+    token_col: jax.Array  # [T] int32: index of the token within its row's query
+    row_query_start: jax.Array  # [R] int32: flat index of the row's first token
+    row_query_len: jax.Array  # [R] int32 (0 for padding rows)
+    row_start_pos: jax.Array  # [R] int32: position of the row's first token this step
+    block_tables: jax.Array  # [R, B] int32 (padding -> block 0)
+    sample_index: jax.Array  # [R] int32: flat index of the row's last token (logits are taken there)
+
+
+# --- building blocks ---------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return weight * x.astype(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [D/2], with Llama 3 scaling when configured (computed on the host in fp32)."""
+    D, rope = cfg.head_dim, cfg.rope
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
+    if rope.kind == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) / rope.factor * scaled + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x [T, N, D] rotated by positions [T] (half-split layout, as Hugging Face)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+    cos, sin = jnp.cos(emb).astype(x.dtype)[:, None, :], jnp.sin(emb).astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def mlp(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    gate = jnp.einsum("te,ef->tf", x, p["gate"])  # [T, F]
+    up = jnp.einsum("te,ef->tf", x, p["up"])  # [T, F]
+    return jnp.einsum("tf,fe->te", jax.nn.silu(gate) * up, p["down"])  # [T, E]
+
+
+# --- paged attention over one ragged batch ----------------------------------------------------
+
+
+def paged_attention(
+    q: jax.Array,  # [T, H, D]
+    k_cache: jax.Array,  # [L, S, K, D], already holding this step's keys
+    v_cache: jax.Array,  # [L, S, K, D]
+    layer: jax.Array,  # scalar index into L
+    inp: StepInputs,
+    max_query_len: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Causal attention of every token against its own request's cached context. Returns [T, H, D]."""
+    T, H, D = q.shape
+    K = k_cache.shape[2]
+    R, B = inp.block_tables.shape
+    C = B * block_size
+    # Gather each row's queries: [R, Q, H, D].
+    cols = jnp.arange(max_query_len)
+    q_index = jnp.clip(inp.row_query_start[:, None] + cols[None, :], 0, T - 1)  # [R, Q]
+    q_rows = q[q_index].reshape(R, max_query_len, K, H // K, D)  # [R, Q, K, G, D]
+    # Gather each row's context from its block table: [R, C, K, D].
+    ctx = jnp.arange(C)
+    slots = inp.block_tables[:, ctx // block_size] * block_size + ctx % block_size  # [R, C]
+    keys, values = k_cache[layer, slots], v_cache[layer, slots]  # [R, C, K, D]
+    scores = jnp.einsum("rqkgd,rckd->rkgqc", q_rows, keys).astype(jnp.float32) * (D**-0.5)
+    q_pos = inp.row_start_pos[:, None] + cols[None, :]  # [R, Q]
+    visible = ctx[None, None, :] <= q_pos[:, :, None]  # [R, Q, C] causal (context < start is cached)
+    if sliding_window is not None:
+        visible &= ctx[None, None, :] > q_pos[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)  # [R, K, G, Q, C]
+    out = jnp.einsum("rkgqc,rckd->rqkgd", probs, values).reshape(R, max_query_len, H, D)
+    return out[inp.token_row, jnp.clip(inp.token_col, 0, max_query_len - 1)]  # [T, H, D]
+
+
+def attention(
+    x: jax.Array,
+    p: dict[str, jax.Array],
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    inp: StepInputs,
+    cfg: ModelConfig,
+    inv_freq: jax.Array,
+    max_query_len: int,
+    block_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = jnp.einsum("te,ehd->thd", x, p["q"])  # [T, H, D]
+    k = jnp.einsum("te,ekd->tkd", x, p["k"])  # [T, K, D]
+    v = jnp.einsum("te,ekd->tkd", x, p["v"])  # [T, K, D]
+    if cfg.qkv_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, inp.positions, inv_freq), apply_rope(k, inp.positions, inv_freq)
+    k_cache = k_cache.at[layer, inp.slot_mapping].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, inp.slot_mapping].set(v.astype(v_cache.dtype))
+    out = paged_attention(q, k_cache, v_cache, layer, inp, max_query_len, block_size, cfg.sliding_window)
+    return jnp.einsum("thd,hde->te", out, p["o"]), k_cache, v_cache
+
+
+def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, max_query_len, block_size):
+    h, k_cache, v_cache = attention(
+        rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
+        p,
+        k_cache,
+        v_cache,
+        layer,
+        inp,
+        cfg,
+        inv_freq,
+        max_query_len,
+        block_size,
+    )
+    x = x + h
+    x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p)
+    return x, k_cache, v_cache
+
+
+# --- the stage -----------------------------------------------------------------------------------
+
+
+def stage_forward(
+    params: dict[str, jax.Array],
+    kv_cache: tuple[jax.Array, jax.Array],  # ([L, S, K, D], [L, S, K, D])
+    inp: StepInputs,
+    hidden_in: jax.Array | None,  # [T, E] from the previous stage; None on the first stage
+    *,
+    cfg: ModelConfig,
+    stage: StageConfig,
+    max_query_len: int,
+    block_size: int,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache)."""
+    if stage.is_first:
+        x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
+    else:
+        x = hidden_in
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    layers = {name.removeprefix("layers."): w for name, w in params.items() if name.startswith("layers.")}
+
+    def body(carry, layer):
+        x, k_all, v_all = carry
+        p, idx = layer
+        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, max_query_len, block_size)
+        return (x, k_all, v_all), None
+
+    k_all, v_all = kv_cache
+    num_layers = k_all.shape[0]
+    (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(num_layers)))
+    if not stage.is_last:
+        return x, (k_all, v_all)
+    x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
+    logits = jnp.einsum("re,ev->rv", x, head).astype(jnp.float32)
+    return logits, (k_all, v_all)
+
+
+def abstract_params(specs: dict[str, ParamSpec], dtype: str) -> dict[str, Any]:
+    return {k: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)) for k, s in specs.items()}

@@ -1,0 +1,163 @@
+"""``StageRunner``: one pipeline stage on its TP mesh — parameters, paged KV cache, jitted step."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
+from pipejax.runner.batch import ModelBatch, SamplerOutput
+from pipejax.runner.checkpoint import load_stage_params
+from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
+from pipejax.runner.inputs import Buckets, build_step_inputs
+from pipejax.runner.model import RULES, StepInputs, kv_cache_spec, stage_forward
+from pipejax.runner.sampler import SamplingMetadata, sample, to_sampler_output
+
+log = logging.getLogger(__name__)
+
+LOGPROB_BUCKETS = (0, 1, 5, 20)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int) -> int:
+    """Bytes one KV block takes on each device of the stage (K and V, all the stage's layers)."""
+    spec = kv_cache_spec(cfg, stage, tp, 1, block_size)
+    per_device_heads = max(1, spec.shape[2] // tp)
+    return 2 * spec.shape[0] * block_size * per_device_heads * spec.shape[3] * jnp.dtype(cfg.dtype).itemsize
+
+
+class StageRunner:
+    """Runs one stage: ``execute(batch, hidden)`` -> ``IntermediateTensors`` or ``SamplerOutput``."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        mesh: Mesh,
+        stage: StageConfig = StageConfig(),
+        cache: CacheConfig = CacheConfig(num_blocks=256),
+        model_config: ModelConfig | None = None,
+        seed: int = 0,
+    ):
+        self.model_path = Path(model_path)
+        self.mesh = mesh
+        self.stage = stage
+        self.cfg = model_config or ModelConfig.from_pretrained(model_path)
+        self.tp = mesh.shape["tp"]
+        self.max_model_len = min(
+            cache.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
+        )
+        if cache.num_blocks is None:
+            raise ValueError("StageRunner needs an explicit CacheConfig.num_blocks (the worker sizes it from memory)")
+        self.cache_config = cache
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_blocks
+        self.buckets = Buckets.make(
+            cache.max_num_batched_tokens, cache.max_num_seqs, self.max_model_len, self.block_size
+        )
+        self.seed = seed
+        self.params = load_stage_params(self.model_path, self.cfg, stage, mesh)
+        self.kv_cache = self._allocate_kv_cache()
+        self.compiled_shapes: set[tuple] = set()
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._step = jax.jit(
+            functools.partial(stage_forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
+            static_argnames=("max_query_len",),
+            donate_argnums=(1,),
+            out_shardings=(self._replicated, self._cache_shardings()),
+        )
+
+    # --- KV cache ---------------------------------------------------------------------------
+
+    def _cache_shardings(self):
+        spec = kv_cache_spec(self.cfg, self.stage, self.tp, self.num_blocks, self.block_size)
+        sharding = logical_sharding(self.mesh, spec.logical_axes, RULES)
+        return (sharding, sharding)
+
+    def _allocate_kv_cache(self) -> tuple[jax.Array, jax.Array]:
+        spec = kv_cache_spec(self.cfg, self.stage, self.tp, self.num_blocks, self.block_size)
+        zeros = jax.jit(
+            lambda: (jnp.zeros(spec.shape, self.cfg.dtype), jnp.zeros(spec.shape, self.cfg.dtype)),
+            out_shardings=self._cache_shardings(),
+        )
+        return zeros()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step_shape(self, batch: ModelBatch) -> tuple[int, int, int, int]:
+        for r in batch.requests:
+            if r.end_position > self.max_model_len:
+                raise ValueError(
+                    f"request {r.request_id!r} reaches position {r.end_position}, beyond max_model_len="
+                    f"{self.max_model_len}; shorten the prompt or max_tokens"
+                )
+        return self.buckets.shape_of(batch, self.block_size)
+
+    def intermediate_spec(self, batch: ModelBatch) -> IntermediateSpec:
+        """What this stage receives from the previous one for ``batch`` (hidden states [T, E])."""
+        T = self.step_shape(batch)[0]
+        spec = TensorSpec((T, self.cfg.hidden_size), self.cfg.dtype, self._replicated)
+        return IntermediateSpec({"hidden_states": spec})
+
+    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None):
+        shape = self.step_shape(batch)
+        host = build_step_inputs(batch, shape, self.block_size)
+        inputs = StepInputs(*(jax.device_put(a, self._replicated) for a in host))
+        hidden_in = None
+        if not self.stage.is_first:
+            if intermediate is None:
+                raise ValueError(
+                    f"stage {self.stage.pp_rank} needs the previous stage's activations for step {batch.step_id}"
+                )
+            hidden_in = intermediate["hidden_states"]
+        if shape not in self.compiled_shapes:
+            self.compiled_shapes.add(shape)
+            log.info(
+                "stage %d: compiling step for (tokens, rows, query, blocks)=%s [%d shapes so far, at most %d]",
+                self.stage.pp_rank,
+                shape,
+                len(self.compiled_shapes),
+                self.buckets.count(),
+            )
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inputs, hidden_in, max_query_len=shape[2])
+        return out, shape
+
+    def execute(
+        self, batch: ModelBatch, intermediate: IntermediateTensors | None = None
+    ) -> IntermediateTensors | SamplerOutput:
+        out, shape = self._forward(batch, intermediate)
+        if not self.stage.is_last:
+            return IntermediateTensors({"hidden_states": out})
+        return self._sample(batch, out, shape[1])
+
+    def logits(self, batch: ModelBatch, intermediate: IntermediateTensors | None = None) -> np.ndarray:
+        """Last stage only: raw logits [num requests, V] at each request's last token (tests, scoring)."""
+        assert self.stage.is_last
+        out, _ = self._forward(batch, intermediate)
+        return np.asarray(out)[: len(batch.requests)]
+
+    def _sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int) -> SamplerOutput:
+        rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
+        meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
+        wanted = [r.sampling.logprobs for r in batch.requests]
+        most = max((n for n in wanted if n is not None), default=0)
+        num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most)
+        result = sample(logits, meta, num_logprobs=num_logprobs)
+        out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted)
+        keep = [i for i, r in enumerate(batch.requests) if r.sample]
+        return SamplerOutput(
+            step_id=out.step_id,
+            request_ids=tuple(out.request_ids[i] for i in keep),
+            token_ids=tuple(out.token_ids[i] for i in keep),
+            logprobs=tuple(out.logprobs[i] for i in keep),
+        )
+
+
+def blocks_for_memory(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int, budget_bytes: int) -> int:
+    """How many KV blocks fit ``budget_bytes`` per device."""
+    return max(2, math.floor(budget_bytes / kv_bytes_per_block(cfg, stage, tp, block_size)))

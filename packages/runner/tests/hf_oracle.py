@@ -1,0 +1,88 @@
+"""Test helpers: Hugging Face checkpoints made by transformers itself, and our stages chained in one process."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+from pipejax.pp_utils import InProcessTransport, stage_meshes
+from pipejax.runner.batch import ModelBatch, ScheduledRequest
+from pipejax.runner.config import CacheConfig, StageConfig
+from pipejax.runner.runner import StageRunner
+
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+ARCHS = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "MistralForCausalLM": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+}
+
+
+def make_hf_checkpoint(path, arch: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A randomly initialised checkpoint saved by transformers (the oracle) in safetensors format."""
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():  # make biases and norms non-trivial so their loading is really checked
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+    return model
+
+
+def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Last-position logits of each prompt, one forward each."""
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0, -1].float().numpy() for p in prompts]
+
+
+class ChainedStages:
+    """All pp stages of a model in this process on disjoint devices, linked by in-process transports."""
+
+    def __init__(self, path, pp: int, tp: int, partition=None, num_blocks: int = 128, block_size: int = 8, **cache):
+        meshes = stage_meshes(jax.devices(), pp, tp)
+        cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, **cache)
+        self.stages = [StageRunner(path, m, StageConfig(i, pp, partition), cache_cfg) for i, m in enumerate(meshes)]
+        self.links = [InProcessTransport(f"stage {i}") for i in range(pp - 1)]
+
+    def _run_to_last(self, batch: ModelBatch):
+        hidden = None
+        for i, stage in enumerate(self.stages[:-1]):
+            if i > 0:
+                hidden = self.links[i - 1].receive(batch.step_id, stage.intermediate_spec(batch), timeout=30)
+            self.links[i].send(batch.step_id, stage.execute(batch, hidden))
+        last = self.stages[-1]
+        if len(self.stages) > 1:
+            return self.links[-1].receive(batch.step_id, last.intermediate_spec(batch), timeout=30)
+        return None
+
+    def logits(self, batch: ModelBatch) -> np.ndarray:
+        return self.stages[-1].logits(batch, self._run_to_last(batch))
+
+    def execute(self, batch: ModelBatch):
+        return self.stages[-1].execute(batch, self._run_to_last(batch))
+
+
+def prefill_batch(prompts: list[list[int]], step_id: int = 0, blocks_per_request: int = 8) -> ModelBatch:
+    reqs = tuple(
+        ScheduledRequest(f"r{i}", tuple(p), 0, tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request)))
+        for i, p in enumerate(prompts)
+    )
+    return ModelBatch(step_id, reqs)
