@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from pipejax.pp_utils import InProcessTransport, stage_meshes
-from pipejax.runner.batch import ModelBatch, ScheduledRequest
+from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 
@@ -53,6 +53,9 @@ def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
         return [model(torch.tensor([p])).logits[0, -1].float().numpy() for p in prompts]
 
 
+GREEDY = SamplingParams(temperature=0.0)
+
+
 class ChainedStages:
     """All pp stages of a model in this process on disjoint devices, linked by in-process transports."""
 
@@ -82,7 +85,52 @@ class ChainedStages:
 
 def prefill_batch(prompts: list[list[int]], step_id: int = 0, blocks_per_request: int = 8) -> ModelBatch:
     reqs = tuple(
-        ScheduledRequest(f"r{i}", tuple(p), 0, tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request)))
+        ScheduledRequest(
+            f"r{i}", tuple(p), 0, tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
+        )
         for i, p in enumerate(prompts)
     )
     return ModelBatch(step_id, reqs)
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def greedy_generate(stages: ChainedStages, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None):
+    """A minimal continuous-batching loop: prompts prefilled in chunks of ``chunk`` tokens (all
+    requests in one ragged step, mixing prefill chunks and decodes), then decoded together."""
+    blocks_per_request = 16
+    tables = [tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request)) for i in range(len(prompts))]
+    computed = [0] * len(prompts)  # tokens already in the KV cache
+    seqs = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    step = 0
+    while any(len(o) < max_new_tokens for o in outputs):
+        reqs = []
+        for i, seq in enumerate(seqs):
+            if len(outputs[i]) >= max_new_tokens:
+                continue
+            todo = seq[computed[i] :]
+            if chunk is not None:
+                todo = todo[:chunk]
+            last = computed[i] + len(todo) == len(seq)
+            reqs.append(ScheduledRequest(f"r{i}", tuple(todo), computed[i], tables[i], GREEDY, sample=last))
+        result = stages.execute(ModelBatch(step, tuple(reqs)))
+        for r in reqs:
+            i = int(r.request_id[1:])
+            computed[i] += len(r.token_ids)
+        for rid, tok in zip(result.request_ids, result.token_ids, strict=True):
+            i = int(rid[1:])
+            outputs[i].append(tok)
+            seqs[i].append(tok)
+        step += 1
+    return outputs

@@ -27,6 +27,7 @@ from pipejax.pp_utils.topology import (
     rank_to_pp_tp,
     rank_workers,
 )
+from pipejax.pp_utils.transfer_transport import DESCRIPTOR_BYTES, TransferServerTransport
 from pipejax.pp_utils.transport import (
     DEFAULT_RECEIVE_TIMEOUT_S,
     ActivationTransport,
@@ -37,6 +38,7 @@ from pipejax.pp_utils.transport import (
 
 __all__ = [
     "DEFAULT_RECEIVE_TIMEOUT_S",
+    "DESCRIPTOR_BYTES",
     "PARTITION_ENV",
     "TP_AXIS",
     "ActivationTransport",
@@ -47,6 +49,7 @@ __all__ = [
     "ShardingRules",
     "SpecMismatchError",
     "TensorSpec",
+    "TransferServerTransport",
     "TransportTimeout",
     "WorkerRecord",
     "logical_sharding",

@@ -1,0 +1,109 @@
+"""pipejax's sessions: one test session per layer (its own venv, only that layer and what its
+pyproject declares), lint, the layering check, and non-default demo/benchmark sessions.
+
+    nox -l            list sessions
+    nox               default sessions (what CI runs)
+    nox -s demo       the main job: `pipejax generate` on the built-in model
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints.txt")
+PACKAGES = ROOT / "packages"
+SIM_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+
+nox.options.default_venv_backend = "venv"  # pip, which finds the CPU torch build on this machine
+nox.options.reuse_existing_virtualenvs = True
+# Default: lint, layering, and every layer that has tests (a layer whose issue has not come yet has none).
+nox.options.sessions = ["lint", "layers"] + [
+    d.name.replace("-", "_") for d in sorted(PACKAGES.iterdir()) if any((d / "tests").glob("test_*.py"))
+]
+
+
+def _internal_deps(dist: str) -> list[str]:
+    """Folders of the pipejax packages ``dist`` depends on, transitively, lowest first."""
+    data = tomllib.loads((PACKAGES / dist / "pyproject.toml").read_text())
+    out: list[str] = []
+    for dep in data["project"].get("dependencies", []):
+        name = dep.split("=")[0].split("[")[0].strip()
+        if name.startswith("pipejax-"):
+            folder = name.removeprefix("pipejax-")
+            out += [d for d in _internal_deps(folder) + [folder] if d not in out]
+    return out
+
+
+def _install_layer(session: nox.Session, dist: str, extras: str = "test") -> None:
+    local = [str(PACKAGES / d) for d in _internal_deps(dist)]
+    session.install("-c", CONSTRAINTS, *local, f"{PACKAGES / dist}[{extras}]")
+
+
+def _test_layer(session: nox.Session, dist: str) -> None:
+    _install_layer(session, dist)
+    session.run("pytest", str(PACKAGES / dist / "tests"), "-q", *session.posargs, env=SIM_DEVICES)
+
+
+@nox.session
+def pp_utils(session: nox.Session) -> None:
+    """Test pipejax-pp-utils alone (jax, numpy)."""
+    _test_layer(session, "pp-utils")
+
+
+@nox.session
+def runner(session: nox.Session) -> None:
+    """Test pipejax-runner with pp-utils, against transformers as the oracle."""
+    _test_layer(session, "runner")
+
+
+@nox.session
+def worker(session: nox.Session) -> None:
+    """Test pipejax-worker with runner and pp-utils (no Ray)."""
+    _test_layer(session, "worker")
+
+
+@nox.session
+def ray_executor(session: nox.Session) -> None:
+    """Test pipejax-ray-executor: scheduler, engine, executors, LLM API and CLI."""
+    _test_layer(session, "ray-executor")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff over the whole tree."""
+    session.install("-c", CONSTRAINTS, "ruff")
+    session.run("ruff", "check", str(ROOT))
+
+
+@nox.session(python=False)
+def layers(session: nox.Session) -> None:
+    """Static check that layers import only downward (needs ../shared/tools/check_layers.py)."""
+    checker = ROOT.parent / "shared" / "tools" / "check_layers.py"
+    if not checker.exists():
+        session.skip(f"{checker} not found")
+    session.run("python3", str(checker), str(ROOT))
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: `pipejax generate` on the built-in model, pp=2 x tp=2 on simulated CPU devices."""
+    _install_layer(session, "ray-executor", extras="cli")
+    session.run("pipejax", "generate", *(session.posargs or ["Hello, pipejax!"]))
+
+
+@nox.session(default=False)
+def bench_transport(session: nox.Session) -> None:
+    """Benchmark: activation transport GB/s vs a plain memory copy."""
+    _install_layer(session, "pp-utils")
+    session.run("python", str(PACKAGES / "pp-utils" / "benchmarks" / "transport_bench.py"), *session.posargs)
+
+
+@nox.session(default=False)
+def bench_runner(session: nox.Session) -> None:
+    """Benchmark: decode-step time on the 124M benchmark model vs this machine's floor; stage RSS."""
+    _install_layer(session, "runner")
+    session.run("python", str(PACKAGES / "runner" / "benchmarks" / "decode_bench.py"), *session.posargs)

@@ -1,0 +1,238 @@
+"""The last stage's sampler: one jitted function over fixed, padded row buckets.
+
+Per row, in vLLM v1's order: greedy rows (temperature < 1e-5) take the argmax of the raw
+logits; the others divide by the temperature, drop tokens below ``min_p`` x the top
+probability, then apply top-k and top-p (nucleus, on what top-k kept) and draw with Gumbel-max
+from the row's own key. Logprobs are always of the raw model distribution
+(``log_softmax(logits)``), as vLLM returns them by default.
+
+Keys are made on the host: a seeded request's key depends only on ``(seed, output_index)`` so
+its samples do not depend on its batch or the step; an unseeded one's on ``(step_seed, row)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipejax.runner.batch import SamplerOutput, SamplingParams, TokenLogprobs
+
+# vLLM's _SAMPLING_EPS: below this temperature a row is sampled greedily.
+GREEDY_TEMPERATURE = 1e-5
+
+_MASK64 = (1 << 64) - 1
+_SEEDED_TAG = 0x5EED_5EED_5EED_5EED
+_UNSEEDED_TAG = 0x57E9_57E9_57E9_57E9
+
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit mixing function (splitmix64's finalizer); host-side, deterministic."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _key_words(tag: int, a: int, b: int) -> tuple[int, int]:
+    """Two uint32 words of threefry key data derived from (tag, a, b)."""
+    mixed = _splitmix64((_splitmix64((a ^ tag) & _MASK64) + (b & _MASK64)) & _MASK64)
+    return mixed >> 32, mixed & 0xFFFFFFFF
+
+
+class SamplingMetadata(NamedTuple):
+    """Per-row sampling parameters for R padded rows (a pytree; padding rows are greedy)."""
+
+    temperature: np.ndarray | jax.Array  # f32[R], 0 = greedy
+    top_k: np.ndarray | jax.Array  # i32[R], 0 = off
+    top_p: np.ndarray | jax.Array  # f32[R], 1 = off
+    min_p: np.ndarray | jax.Array  # f32[R], 0 = off
+    keys: np.ndarray | jax.Array  # u32[R, 2], raw threefry2x32 key data
+
+    @classmethod
+    def build(
+        cls,
+        rows: Sequence[tuple[SamplingParams, int, str]],
+        num_rows: int,
+        step_seed: int,
+    ) -> SamplingMetadata:
+        """Host arrays for ``rows`` = (params, output_index, request_id), padded to ``num_rows``."""
+        if len(rows) > num_rows:
+            raise ValueError(f"{len(rows)} rows do not fit num_rows={num_rows}; pick a larger row bucket")
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        keys = np.zeros((num_rows, 2), np.uint32)
+        for row, (params, output_index, _request_id) in enumerate(rows):
+            temperature[row] = params.temperature
+            top_k[row] = max(params.top_k, 0)
+            top_p[row] = params.top_p
+            min_p[row] = params.min_p
+            if params.seed is not None:
+                keys[row] = _key_words(_SEEDED_TAG, params.seed, output_index)
+            else:
+                keys[row] = _key_words(_UNSEEDED_TAG, step_seed, row)
+        return cls(temperature, top_k, top_p, min_p, keys)
+
+
+class SampleResult(NamedTuple):
+    tokens: jax.Array  # i32[R]
+    sampled_logprob: jax.Array  # f32[R], raw logprob of the chosen token
+    top_ids: jax.Array  # i32[R, N], best first
+    top_logprobs: jax.Array  # f32[R, N]
+
+
+def _ordered_bits(x: jax.Array) -> jax.Array:
+    """f32 -> u32 with the same order (-inf < ... < -0 < +0 < ... < inf), for bisection."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_cut(bits: jax.Array, weights: jax.Array | None, target: jax.Array) -> jax.Array:
+    """Per row, the largest cut c with sum(weights[bits >= c]) >= target.  # u32[R]
+
+    Built bit by bit from the top (32 masked reductions, no sort); ``weights=None`` counts. The
+    cut is always some element's bits, so ``bits >= cut`` keeps exactly the tokens at or above
+    the k-th largest value (top-k) or the last token of the smallest prefix reaching p (top-p).
+    """
+
+    def add_bit(i, cut):
+        candidate = cut | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        above = bits >= candidate[:, None]  # [R, V]
+        if weights is None:
+            reached = jnp.sum(above, axis=-1, dtype=jnp.int32) >= target
+        else:
+            reached = jnp.sum(jnp.where(above, weights, 0.0), axis=-1) >= target
+        return jnp.where(reached, candidate, cut)
+
+    return jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(bits.shape[:1], jnp.uint32))
+
+
+def _top_k_top_p_cut(scaled: jax.Array, bits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per-row cut (in ``_ordered_bits`` space) of top-k, then top-p on what top-k kept.  # [R]
+
+    ``scaled`` already has min-p's dropped tokens at -inf; ``bits`` is its ``_ordered_bits``.
+    Ties with the cut value survive (as in vLLM's top-k). A disabled filter gives cut 0, which
+    keeps everything; a filter no row uses costs nothing (``lax.cond``).
+    """
+    vocab = scaled.shape[-1]
+    no_cut = jnp.zeros(scaled.shape[:1], jnp.uint32)
+    k_on = (top_k > 0) & (top_k < vocab)
+    k_cut = jax.lax.cond(jnp.any(k_on), lambda: jnp.where(k_on, _largest_cut(bits, None, top_k), 0), lambda: no_cut)
+
+    p_on = top_p < 1.0
+
+    def nucleus_cut():
+        kept = bits >= k_cut[:, None]
+        weights = jnp.where(kept, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+        probs = weights / jnp.sum(weights, axis=-1, keepdims=True)  # renormalized over top-k
+        return jnp.where(p_on, _largest_cut(bits, probs, top_p), 0)
+
+    p_cut = jax.lax.cond(jnp.any(p_on), nucleus_cut, lambda: no_cut)
+    return jnp.maximum(k_cut, p_cut)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """Row argmax, lowest index on ties (like torch.argmax).
+
+    ``lax.top_k(x, 1)`` is ~2x faster than ``jnp.argmax`` on XLA:CPU. Keep it apart from the
+    top-N logprobs' top_k: sharing one top_k for both made XLA:CPU fall back to a full sort.
+    """
+    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
+
+
+def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array) -> jax.Array:
+    """Temperature, min-p, top-k, top-p, then a Gumbel-max draw per row.  # i32[R]"""
+    temperature = jnp.where(greedy, 1.0, meta.temperature)
+    scaled = logits / temperature[:, None]  # [R, V]
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    scaled = jnp.where(jnp.exp(scaled - top) < meta.min_p[:, None], -jnp.inf, scaled)
+
+    top_k = jnp.where(greedy, 0, meta.top_k)
+    top_p = jnp.where(greedy, 1.0, meta.top_p)
+    bits = _ordered_bits(scaled)  # [R, V]
+    cut = _top_k_top_p_cut(scaled, bits, top_k, top_p)
+    scaled = jnp.where(bits >= cut[:, None], scaled, -jnp.inf)
+
+    keys = jax.random.wrap_key_data(jnp.asarray(meta.keys, jnp.uint32), impl="threefry2x32")
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
+    return _argmax(scaled + gumbel)
+
+
+def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int) -> SampleResult:
+    logits = logits.astype(jnp.float32)  # [R, V]
+    greedy = meta.temperature < GREEDY_TEMPERATURE  # [R]
+    greedy_tokens = _argmax(logits)
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_tokens,
+        lambda: jnp.where(greedy, greedy_tokens, _random_tokens(logits, meta, greedy)),
+    )
+
+    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
+    sampled_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
+    if num_logprobs > 0:
+        top_values, top_ids = jax.lax.top_k(logits, num_logprobs)  # [R, N]
+    else:
+        top_values, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0))
+    top_logprobs = (top_values - log_norm[:, None]).astype(jnp.float32)
+    return SampleResult(tokens, sampled_logprob, top_ids.astype(jnp.int32), top_logprobs)
+
+
+sample = jax.jit(_sample, static_argnames=("num_logprobs",))
+sample.__doc__ = """sample(logits f32[R, V], meta, num_logprobs: int) -> SampleResult (jitted).
+
+``num_logprobs`` (static) is how many top raw logprobs to return per row; use the largest any
+row asked for (bucket it to bound recompiles).
+"""
+
+
+def to_sampler_output(
+    step_id: int,
+    request_ids: Sequence[str],
+    result: SampleResult,
+    num_rows_used: int,
+    logprobs_wanted: Sequence[int | None],
+) -> SamplerOutput:
+    """Host ``SamplerOutput`` for the first ``num_rows_used`` rows (one entry per row).
+
+    ``logprobs_wanted[i]`` is row i's ``SamplingParams.logprobs``: None gives no logprobs,
+    N gives the sampled token's logprob and the top N.
+    """
+    if len(request_ids) != num_rows_used or len(logprobs_wanted) != num_rows_used:
+        raise ValueError(
+            f"num_rows_used={num_rows_used} but got {len(request_ids)} request ids and "
+            f"{len(logprobs_wanted)} logprobs entries; pass one of each per used row"
+        )
+    if num_rows_used > result.tokens.shape[0]:
+        raise ValueError(f"num_rows_used={num_rows_used} exceeds the {result.tokens.shape[0]} rows sampled")
+    available = result.top_ids.shape[-1]
+    wanted = [n for n in logprobs_wanted if n is not None]
+    if wanted and max(wanted) > available:
+        raise ValueError(
+            f"a request asked for {max(wanted)} logprobs but sample() computed {available}; "
+            f"call sample() with num_logprobs >= {max(wanted)}"
+        )
+    if wanted:
+        tokens, sampled, top_ids, top_logprobs = jax.device_get(tuple(result))
+    else:
+        tokens = jax.device_get(result.tokens)
+    tokens = np.asarray(tokens)[:num_rows_used].tolist()
+
+    logprobs: list[TokenLogprobs | None] = []
+    for row, n in enumerate(logprobs_wanted):
+        if n is None:
+            logprobs.append(None)
+            continue
+        top = tuple(zip(top_ids[row, :n].tolist(), top_logprobs[row, :n].tolist(), strict=True))
+        logprobs.append(TokenLogprobs(sampled=float(sampled[row]), top=top))
+    return SamplerOutput(
+        step_id=step_id,
+        request_ids=tuple(request_ids),
+        token_ids=tuple(tokens),
+        logprobs=tuple(logprobs),
+    )

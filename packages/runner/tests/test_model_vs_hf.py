@@ -1,0 +1,37 @@
+"""The runner against Hugging Face transformers (fp32, CPU) on checkpoints transformers saves itself."""
+
+import numpy as np
+import pytest
+from hf_oracle import ARCHS, ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
+
+# pp x tp <= 8 on 8 simulated devices; pp=3 uses an explicit uneven partition of the 6 layers.
+LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (4, 1), (4, 2)]
+PARTITION = {3: "1,3,2"}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45)), [17] * 13]
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = make_hf_checkpoint(path, request.param)
+    return path, model
+
+
+@pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}tp{t}" for p, t in LAYOUTS])
+def test_logits_match_transformers(checkpoint, pp, tp):
+    path, model = checkpoint
+    expected = hf_logits(model, PROMPTS)
+    got = ChainedStages(path, pp, tp, PARTITION.get(pp)).logits(prefill_batch(PROMPTS))
+    for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
+        rel = np.abs(have - want).max() / np.abs(want).max()
+        assert rel < 1e-4, f"prompt of {len(prompt)} tokens: max relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize(
+    "pp,tp,chunk", [(1, 1, None), (2, 2, 4), (4, 2, 5)], ids=["pp1tp1", "pp2tp2-chunk4", "pp4tp2-chunk5"]
+)
+def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk):
+    path, model = checkpoint
+    expected = hf_greedy(model, PROMPTS, 32)
+    got = greedy_generate(ChainedStages(path, pp, tp, num_blocks=80), PROMPTS, 32, chunk=chunk)
+    assert got == expected
