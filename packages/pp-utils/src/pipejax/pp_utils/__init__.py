@@ -1,5 +1,6 @@
 """pipejax.pp_utils: stage math, intermediate tensors, stage meshes, activation transport, topology."""
 
+from pipejax.pp_utils.config import EXECUTOR_BACKENDS, ParallelConfig
 from pipejax.pp_utils.intermediate import (
     IntermediateSpec,
     IntermediateTensors,
@@ -37,6 +38,8 @@ from pipejax.pp_utils.transport import (
 )
 
 __all__ = [
+    "EXECUTOR_BACKENDS",
+    "ParallelConfig",
     "DEFAULT_RECEIVE_TIMEOUT_S",
     "DESCRIPTOR_BYTES",
     "PARTITION_ENV",
