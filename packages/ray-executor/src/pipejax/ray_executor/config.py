@@ -1,0 +1,18 @@
+"""The engine's frozen config: the model, plus one config per concern (layout, cache/batching)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipejax.pp_utils import ParallelConfig
+from pipejax.runner.config import CacheConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a folder holding a Hugging Face checkpoint (resolved from None by the caller)
+    parallel: ParallelConfig = ParallelConfig()
+    cache: CacheConfig = CacheConfig()
+    dtype: str | None = None
+    seed: int = 0
+    step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang

@@ -1,0 +1,137 @@
+"""The engine: requests in, outputs out. One step = schedule -> execute (a future) -> update.
+
+With PP = N it keeps up to N batches in flight (a batch queue) so every stage has work; a
+request is in at most one of them (the scheduler skips requests in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.engine.block_manager import BlockManager
+from pipejax.ray_executor.engine.request import Request, RequestOutput
+from pipejax.ray_executor.engine.scheduler import Scheduler, SchedulerConfig
+from pipejax.ray_executor.executor.base import Executor, executor_class
+from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
+from pipejax.runner.config import ModelConfig
+from pipejax.runner.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StepTimeout(RuntimeError):
+    """A batch did not come back from the stages within ``step_timeout_s``."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.executor = executor or executor_class(config.parallel.distributed_executor_backend)(config)
+        cache = config.cache
+        blocks = BlockManager(self.executor.num_kv_blocks, self.executor.block_size)
+        max_len = min(
+            cache.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            blocks.capacity_tokens,
+        )
+        if max_len < (cache.max_model_len or 0):
+            log.warning("KV cache holds only %d tokens: max_model_len lowered to that", max_len)
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(SchedulerConfig(cache.max_num_seqs, cache.max_num_batched_tokens, max_len), blocks)
+        self.eos_token_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        )
+        self._in_flight: deque[tuple[ModelBatch, Future[SamplerOutput]]] = deque()
+        self.in_flight_trace: list[tuple[float, int]] = []  # (time, batches in flight) after each submit
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int] | dict, sampling: SamplingParams | None = None
+    ) -> None:
+        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing."""
+        sampling = sampling or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens but "
+                f"max_model_len={self.max_model_len} leaves no room to generate; "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens"
+            )
+        room = self.max_model_len - len(token_ids)
+        max_tokens = min(sampling.max_tokens or room, room)
+        req = Request(request_id, token_ids, sampling, max_tokens, self.eos_token_ids, self.tokenizer, text)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return req.output() if req else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = None
+        depth = self.executor.max_concurrent_batches
+        if len(self._in_flight) < depth:
+            # Split the active requests into `depth` batches so that every stage has one to work on.
+            batch = self.scheduler.schedule(max_seqs=max(1, math.ceil(self.scheduler.num_active() / depth)))
+            if batch is not None:
+                self._in_flight.append((batch, self.executor.execute_model(batch)))
+                self.in_flight_trace.append((time.perf_counter(), len(self._in_flight)))
+        if not self._in_flight:
+            return []
+        full = len(self._in_flight) >= self.executor.max_concurrent_batches
+        if full or batch is None or self._in_flight[0][1].done():
+            return self._finish_oldest()
+        return []
+
+    def _finish_oldest(self) -> list[RequestOutput]:
+        batch, future = self._in_flight.popleft()
+        try:
+            output = future.result(timeout=self.config.step_timeout_s)
+        except FutureTimeout:
+            reason = f"step {batch.step_id} did not finish within {self.config.step_timeout_s}s"
+            log.error(reason)
+            return [r.output() for r in self.scheduler.fail(batch, reason)]
+        except Exception as exc:
+            log.error("step %d failed: %s", batch.step_id, exc)
+            return [r.output() for r in self.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")]
+        return [r.output() for r in self.scheduler.update(batch, output)]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"prompt dict {sorted(prompt)} has no 'prompt_token_ids'; use a string or that key")
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
+            return prompt, self.tokenizer.encode(prompt) if prompt else []
+        return None, [int(t) for t in prompt]

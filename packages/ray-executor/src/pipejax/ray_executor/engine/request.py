@@ -1,0 +1,138 @@
+"""A request's life in the engine, and the outputs users see (the established shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from pipejax.runner.batch import SamplingParams, TokenLogprobs
+from pipejax.runner.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class Request:
+    """Mutable engine-side state of one request (one completion; n > 1 is fanned out by the caller)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        tokenizer: Tokenizer | None,
+        prompt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if sampling.logprobs is not None else None
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (counted when scheduled)
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.in_flight = False  # part of a batch that has not come back yet
+        self.aborted = False
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""
+        self._detok = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens) if tokenizer else None
+        )
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
+        """Record a sampled token and decide whether the request stops here."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self._detok is not None:
+            self.text += self._detok.add([token])
+        if token in self.eos_token_ids:
+            self._finish("stop", token)
+        elif token in self.sampling.stop_token_ids:
+            self._finish("stop", token)
+        elif self._stop_string_hit():
+            pass
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self._finish("length")
+
+    def _stop_string_hit(self) -> bool:
+        """Stop at the first stop string; the text is cut before it (as the established servers do)."""
+        for stop in self.sampling.stop:
+            # only the tail can contain a new match
+            at = self.text.find(stop, max(0, len(self.text) - len(stop) - 64))
+            if at != -1:
+                self.text = self.text[:at]
+                self._finish("stop", stop)
+                return True
+        return False
+
+    def _finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.status = RequestStatus.FINISHED
+        if self._detok is not None and not isinstance(stop_reason, str):
+            self.text += self._detok.flush()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.finish_reason = "abort"
+        self.status = RequestStatus.FINISHED
+
+    def output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)

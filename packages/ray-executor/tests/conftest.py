@@ -1,0 +1,14 @@
+import os
+
+# Simulated devices must be configured before JAX is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _builtin_model_cache(tmp_path_factory):
+    """The built-in model is generated into a per-run folder, not the user's cache."""
+    os.environ["PIPEJAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("pipejax-cache"))

@@ -1,0 +1,167 @@
+"""``StageWorker``: what one process runs for one pipeline stage.
+
+It selects the stage's TP devices, builds the stage mesh, loads its share of the model, sizes and
+allocates the paged KV cache, compiles the padding buckets at warm-up, and runs
+``execute_model(batch)`` = receive activations (non-first stage) -> runner -> send (non-last).
+It knows nothing of Ray: the same object works in-process, in a subprocess, or as the body of a
+Ray actor (the executor passes plain arguments and calls plain methods).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+import jax
+import psutil
+from tqdm import tqdm
+
+from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, stage_mesh
+from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
+from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
+from pipejax.runner.runner import StageRunner, kv_bytes_per_block
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEP_BASE = 1 << 60  # warm-up step ids live far above the engine's (which count from 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a stage worker needs; the same for every stage but ``stage``."""
+
+    model: str
+    stage: StageConfig
+    tp_size: int
+    cache: CacheConfig = CacheConfig()
+    dtype: str | None = None
+    seed: int = 0
+    receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """Where a stage runs, for logs and the CLI."""
+
+    pp_rank: int
+    layers: tuple[int, int]
+    devices: tuple[str, ...]
+    host: str
+    pid: int
+
+
+class StageWorker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        devices: Sequence[jax.Device] | None = None,
+        recv: ActivationTransport | None = None,
+        send: ActivationTransport | None = None,
+    ):
+        """``devices``: the stage's TP devices (default: the first ``tp_size`` of this process).
+        ``recv``/``send``: transports to the previous/next stage (None on the first/last)."""
+        self.config = config
+        self.stage = config.stage
+        devices = list(devices if devices is not None else jax.local_devices()[: config.tp_size])
+        if len(devices) != config.tp_size:
+            listing = ", ".join(str(d) for d in jax.local_devices())
+            raise ValueError(
+                f"stage {self.stage.pp_rank} needs tp_size={config.tp_size} devices but got {len(devices)}; "
+                f"this process has: {listing}"
+            )
+        self.devices = devices
+        self.mesh = stage_mesh(devices)
+        self.recv, self.send = recv, send
+        self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        self.runner: StageRunner | None = None
+        self.trace: list[tuple[int, int, float, float]] = []  # (pp_rank, step_id, start, end)
+
+    # --- set-up, in the order an executor calls it ------------------------------------------
+
+    def available_kv_blocks(self) -> int:
+        """KV blocks this stage could hold: an explicit count, or a fraction of free memory."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        stats = self.devices[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        else:  # CPU: devices share host RAM
+            free = psutil.virtual_memory().available / max(1, len(jax.local_devices()))
+        per_block = kv_bytes_per_block(self.model_config, self.stage, self.config.tp_size, cache.block_size)
+        max_len = min(cache.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        useful = 1 + cache.max_num_seqs * math.ceil(max_len / cache.block_size)
+        return max(2, min(useful, int(free * cache.memory_fraction // per_block)))
+
+    def load(self, num_blocks: int) -> None:
+        """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage)."""
+        cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
+        start = time.perf_counter()
+        self.runner = StageRunner(self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed)
+        log.info("stage %d loaded in %.1fs (%d KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
+
+    def warmup_batches(self, max_shapes: int = 12) -> list[ModelBatch]:
+        """Dummy batches covering the common buckets: decode at every row bucket, prefill at every token bucket."""
+        runner = self._require_runner()
+        buckets, bs = runner.buckets, runner.block_size
+        out: list[ModelBatch] = []
+        table = (0,)  # the reserved padding block: warm-up writes nothing that matters
+        for rows in buckets.rows:
+            reqs = tuple(
+                ScheduledRequest(f"w{i}", (1,), 0, table, SamplingParams(temperature=0)) for i in range(rows)
+            )
+            out.append(ModelBatch(WARMUP_STEP_BASE + len(out), reqs))
+        for tokens in buckets.tokens:
+            n = min(tokens, runner.max_model_len)
+            blocks = (0,) * math.ceil(n / bs)
+            req = ScheduledRequest("w", (1,) * n, 0, blocks, SamplingParams(temperature=0))
+            out.append(ModelBatch(WARMUP_STEP_BASE + len(out), (req,)))
+        return out[:max_shapes]
+
+    def warmup(self, batches: Sequence[ModelBatch], progress: bool = True) -> float:
+        """Compile ``batches``' shapes by running them."""
+        start = time.perf_counter()
+        for batch in tqdm(batches, desc=f"compile stage {self.stage.pp_rank}", disable=not progress, leave=False):
+            self.execute_model(batch)
+        return time.perf_counter() - start
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def execute_model(self, batch: ModelBatch) -> SamplerOutput | None:
+        runner = self._require_runner()
+        start = time.perf_counter()
+        hidden = None
+        if not self.stage.is_first:
+            assert self.recv is not None, "a non-first stage needs a receive transport"
+            hidden = self.recv.receive(batch.step_id, runner.intermediate_spec(batch), self.config.receive_timeout_s)
+        out = runner.execute(batch, hidden)
+        if not self.stage.is_last:
+            assert self.send is not None, "a non-last stage needs a send transport"
+            self.send.send(batch.step_id, out)
+            out = None
+        if batch.step_id < WARMUP_STEP_BASE:
+            self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
+        return out
+
+    # --- introspection --------------------------------------------------------------------------
+
+    def info(self) -> StageInfo:
+        r = self.stage.layer_range(self.model_config)
+        return StageInfo(
+            pp_rank=self.stage.pp_rank,
+            layers=(r.start, r.stop),
+            devices=tuple(f"{d.platform}:{d.id}" for d in self.devices),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    def _require_runner(self) -> StageRunner:
+        if self.runner is None:
+            raise RuntimeError(f"stage {self.stage.pp_rank}: call load(num_blocks) before executing")
+        return self.runner

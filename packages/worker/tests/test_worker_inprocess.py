@@ -1,0 +1,96 @@
+"""Two StageWorkers in this process (pp=2, tp=2 on devices 0-1 and 2-3) linked by an
+InProcessTransport: KV sizing, load, warm-up, and greedy decoding equal to transformers'."""
+
+import dataclasses
+import math
+import os
+import socket
+from types import SimpleNamespace
+
+import jax
+import pytest
+from worker_oracle import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_decode
+
+import pipejax.worker.worker as worker_module
+from pipejax.pp_utils import InProcessTransport
+from pipejax.runner.batch import ModelBatch
+from pipejax.runner.config import StageConfig
+from pipejax.runner.runner import kv_bytes_per_block
+from pipejax.worker import StageInfo, StageWorker, WorkerConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_pipeline(path, cache=CACHE) -> list[StageWorker]:
+    devices = jax.devices()
+    link = InProcessTransport("stage 0")
+    configs = [WorkerConfig(str(path), StageConfig(i, 2), tp_size=2, cache=cache) for i in range(2)]
+    return [
+        StageWorker(configs[0], devices[0:2], send=link),
+        StageWorker(configs[1], devices[2:4], recv=link),
+    ]
+
+
+def run_pipeline(workers: list[StageWorker], batch: ModelBatch):
+    *firsts, last = workers
+    for w in firsts:
+        assert w.execute_model(batch) is None  # non-last stages answer nothing; they send
+    return last.execute_model(batch)
+
+
+def test_available_kv_blocks_explicit(checkpoint):
+    for w in make_pipeline(checkpoint[0]):
+        assert w.available_kv_blocks() == CACHE.num_blocks
+
+
+def test_available_kv_blocks_from_memory_fraction(checkpoint):
+    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.5)
+    useful = 1 + cache.max_num_seqs * math.ceil(cache.max_model_len / cache.block_size)
+    for w in make_pipeline(checkpoint[0], cache):
+        n = w.available_kv_blocks()
+        # A tiny model in host RAM: capped at what max_num_seqs x max_model_len can ever use.
+        assert n == useful
+
+
+def test_available_kv_blocks_follows_free_memory(checkpoint, monkeypatch):
+    """On CPU the devices share host RAM: each gets available / local devices, times the fraction."""
+    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25, max_num_seqs=10_000)
+    w = make_pipeline(checkpoint[0], cache)[1]
+    per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
+    free = 100 * per_block * len(jax.local_devices())  # 100 blocks' worth per device
+    monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
+    assert w.available_kv_blocks() == 25
+    monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=0))
+    assert w.available_kv_blocks() == 2  # never below the padding block plus one
+
+
+def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):
+    workers = make_pipeline(checkpoint[0])
+    num_blocks = min(w.available_kv_blocks() for w in workers)  # every stage gets the same count
+    for w in workers:
+        w.load(num_blocks)
+        assert w.runner is not None and w.runner.num_blocks == num_blocks
+
+    batches = workers[0].warmup_batches()
+    assert batches and all(b.step_id >= worker_module.WARMUP_STEP_BASE for b in batches)
+    for w in workers:  # stage 0 sends every warm-up step first; stage 1 then receives them
+        seconds = w.warmup(batches, progress=False)
+        assert seconds > 0
+        assert len(w.runner.compiled_shapes) == len(batches)
+        assert w.trace == []  # warm-up steps are not traced
+    warm_shapes = [set(w.runner.compiled_shapes) for w in workers]
+
+    outputs = greedy_decode(lambda b: run_pipeline(workers, b), PROMPTS, MAX_NEW_TOKENS)
+    assert outputs == hf_expected
+
+    for w, warm in zip(workers, warm_shapes, strict=True):
+        # Only the ragged prefill step needed a new shape: warm-up covered the decode bucket.
+        assert len(w.runner.compiled_shapes - warm) == 1
+        assert [step for _, step, _, _ in w.trace] == list(range(MAX_NEW_TOKENS))
+        assert all(rank == w.stage.pp_rank and start <= end for rank, _, start, end in w.trace)
+
+
+def test_info(checkpoint):
+    w0, w1 = make_pipeline(checkpoint[0])
+    assert w0.info() == StageInfo(0, (0, 2), ("cpu:0", "cpu:1"), socket.gethostname(), os.getpid())
+    assert w1.info() == StageInfo(1, (2, 4), ("cpu:2", "cpu:3"), socket.gethostname(), os.getpid())
