@@ -18,7 +18,7 @@ def llm_pp2():
 def test_two_batches_in_flight_and_stages_overlap(llm_pp2):
     engine = llm_pp2.engine
     engine.in_flight_trace.clear()
-    llm_pp2.generate(["prompt %d" % i for i in range(8)], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    llm_pp2.generate([f"prompt {i}" for i in range(8)], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert max(n for _, n in engine.in_flight_trace) == 2
     trace = engine.executor.step_trace()
     stage0 = [(s, a, b) for rank, s, a, b in trace if rank == 0]
