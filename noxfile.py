@@ -8,6 +8,8 @@ pyproject declares), lint, the layering check, and non-default demo/benchmark se
 
 from __future__ import annotations
 
+import os
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -38,9 +40,10 @@ def _internal_deps(dist: str) -> list[str]:
     return out
 
 
-def _install_layer(session: nox.Session, dist: str, extras: str = "test") -> None:
+def _install_layer(session: nox.Session, dist: str, extras: str | None = "test") -> None:
     local = [str(PACKAGES / d) for d in _internal_deps(dist)]
-    session.install("-c", CONSTRAINTS, *local, f"{PACKAGES / dist}[{extras}]")
+    target = f"{PACKAGES / dist}[{extras}]" if extras else str(PACKAGES / dist)
+    session.install("-c", CONSTRAINTS, *local, target)
 
 
 def _test_layer(session: nox.Session, dist: str) -> None:
@@ -64,6 +67,12 @@ def runner(session: nox.Session) -> None:
 def worker(session: nox.Session) -> None:
     """Test pipejax-worker with runner and pp-utils (no Ray)."""
     _test_layer(session, "worker")
+
+
+@nox.session
+def platform_tpu(session: nox.Session) -> None:
+    """Test pipejax-platform-tpu with worker, runner and pp-utils (layouts, detection, entry points)."""
+    _test_layer(session, "platform-tpu")
 
 
 @nox.session
@@ -91,8 +100,8 @@ def layers(session: nox.Session) -> None:
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `pipejax generate` on the built-in model, pp=2 x tp=2 on simulated CPU devices."""
-    _install_layer(session, "ray-executor", extras="cli")
-    session.run("pipejax", "generate", *(session.posargs or ["Hello, pipejax!"]))
+    _install_layer(session, "ray-executor", extras=None)
+    session.run("pipejax", "generate", *(session.posargs or ["Hello, pipejax!", "Pipelines, all stages busy"]))
 
 
 @nox.session(default=False)
@@ -107,3 +116,49 @@ def bench_runner(session: nox.Session) -> None:
     """Benchmark: decode-step time on the 124M benchmark model vs this machine's floor; stage RSS."""
     _install_layer(session, "runner")
     session.run("python", str(PACKAGES / "runner" / "benchmarks" / "decode_bench.py"), *session.posargs)
+
+
+@nox.session(default=False)
+def bench_throughput(session: nox.Session) -> None:
+    """Benchmark: `pipejax bench throughput` (64 req x 128 in x 64 out) next to transformers' generate."""
+    _install_layer(session, "ray-executor", extras="bench")
+    session.run("pipejax", "bench", "throughput", *session.posargs)
+
+
+VLLM_VERSION = "0.32.0"
+VLLM_CHECK = """
+import vllm.platforms
+from pipejax.platform_tpu.platform import TpuPlatform
+platform = vllm.platforms.current_platform
+print("vllm.platforms.current_platform:", platform)
+assert isinstance(platform, TpuPlatform), f"vLLM chose {type(platform)}, not pipejax's TpuPlatform"
+"""
+
+
+@nox.session(default=False)
+def vllm_plugin(session: nox.Session) -> None:
+    """vLLM 0.32.0's TPU build from its source archive must pick pipejax's platform (downloads ~1 GB)."""
+    tmp = Path(session.create_tmp())
+    build_env = {"VLLM_TARGET_DEVICE": "tpu", "VLLM_VERSION_OVERRIDE": VLLM_VERSION}
+    # torch 2.13.0 CPU and vLLM's build requirements (pyproject.toml [build-system]), then the archive.
+    session.install("torch==2.13.0", "cmake>=3.26.1", "ninja", "packaging>=24.2", "setuptools>=77.0.3,<81",
+                    "setuptools-scm>=8", "setuptools-rust>=1.9.0", "wheel", "jinja2")
+    session.run("pip", "download", f"vllm=={VLLM_VERSION}", "--no-deps", "--no-binary", ":all:",
+                "--no-build-isolation", "--dest", str(tmp), env=build_env)
+    sdist = tmp / f"vllm-{VLLM_VERSION}.tar.gz"
+    # Its runtime requirements for TPU, minus tpu-inference (which would bring vLLM's own TPU platform).
+    with tarfile.open(sdist) as tar:
+        for name in ("tpu.txt", "common.txt"):
+            member = tar.getmember(f"vllm-{VLLM_VERSION}/requirements/{name}")
+            (tmp / name).write_bytes(tar.extractfile(member).read())
+    tpu = [line for line in (tmp / "tpu.txt").read_text().splitlines() if not line.startswith("tpu-inference")]
+    (tmp / "tpu.txt").write_text("\n".join(tpu) + "\n")
+    session.install("torch==2.13.0", "-r", str(tmp / "tpu.txt"))
+    # The Rust frontend (vllm-rs) is an optional extension: with no rustc on PATH it is skipped.
+    path = os.pathsep.join(
+        [session.bin, *(p for p in os.environ.get("PATH", "").split(os.pathsep) if not (Path(p) / "rustc").exists())]
+    )
+    session.install("--no-build-isolation", "--no-deps", str(sdist), env={**build_env, "PATH": path})
+    # pipejax's platform and what it declares (no deps: the plugin itself imports none of them).
+    session.install("--no-deps", *(str(PACKAGES / d) for d in ("pp-utils", "runner", "worker", "platform-tpu")))
+    session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu"})

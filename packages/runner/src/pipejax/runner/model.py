@@ -85,11 +85,13 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
 
 
 def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int, block_size: int) -> ParamSpec:
-    """One of the two caches (K or V): [L, num_blocks * block_size, K, D], sharded over KV heads."""
+    """One of the two caches (K or V): [L, num_blocks, block_size, K, D], sharded over KV heads.
+
+    Blocks stay whole in memory so that attention gathers [block_size, K, D] runs, not single slots.
+    """
     L = len(stage.layer_range(cfg))
-    return ParamSpec(
-        (L, num_blocks * block_size, kv_heads_for_tp(cfg, tp), cfg.head_dim), (None, None, "kv_heads", None)
-    )
+    shape = (L, num_blocks, block_size, kv_heads_for_tp(cfg, tp), cfg.head_dim)
+    return ParamSpec(shape, (None, None, None, "kv_heads", None))
 
 
 class StepInputs(NamedTuple):
@@ -156,8 +158,8 @@ def mlp(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 def paged_attention(
     q: jax.Array,  # [T, H, D]
-    k_cache: jax.Array,  # [L, S, K, D], already holding this step's keys
-    v_cache: jax.Array,  # [L, S, K, D]
+    k_cache: jax.Array,  # [L, N, block_size, K, D], already holding this step's keys
+    v_cache: jax.Array,  # [L, N, block_size, K, D]
     layer: jax.Array,  # scalar index into L
     inp: StepInputs,
     max_query_len: int,
@@ -166,7 +168,7 @@ def paged_attention(
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D]."""
     T, H, D = q.shape
-    K = k_cache.shape[2]
+    K = k_cache.shape[3]
     R, B = inp.block_tables.shape
     C = B * block_size
     # Gather each row's queries: [R, Q, H, D].
@@ -175,8 +177,8 @@ def paged_attention(
     q_rows = q[q_index].reshape(R, max_query_len, K, H // K, D)  # [R, Q, K, G, D]
     # Gather each row's context from its block table: [R, C, K, D].
     ctx = jnp.arange(C)
-    slots = inp.block_tables[:, ctx // block_size] * block_size + ctx % block_size  # [R, C]
-    keys, values = k_cache[layer, slots], v_cache[layer, slots]  # [R, C, K, D]
+    keys = k_cache[layer, inp.block_tables].reshape(R, C, K, D)  # [R, B, block_size, K, D] -> [R, C, K, D]
+    values = v_cache[layer, inp.block_tables].reshape(R, C, K, D)
     scores = jnp.einsum("rqkgd,rckd->rkgqc", q_rows, keys).astype(jnp.float32) * (D**-0.5)
     q_pos = inp.row_start_pos[:, None] + cols[None, :]  # [R, Q]
     visible = ctx[None, None, :] <= q_pos[:, :, None]  # [R, Q, C] causal (context < start is cached)
@@ -208,8 +210,9 @@ def attention(
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, inp.positions, inv_freq), apply_rope(k, inp.positions, inv_freq)
-    k_cache = k_cache.at[layer, inp.slot_mapping].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, inp.slot_mapping].set(v.astype(v_cache.dtype))
+    block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
+    k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
     out = paged_attention(q, k_cache, v_cache, layer, inp, max_query_len, block_size, cfg.sliding_window)
     return jnp.einsum("thd,hde->te", out, p["o"]), k_cache, v_cache
 
@@ -237,7 +240,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, max_query_l
 
 def stage_forward(
     params: dict[str, jax.Array],
-    kv_cache: tuple[jax.Array, jax.Array],  # ([L, S, K, D], [L, S, K, D])
+    kv_cache: tuple[jax.Array, jax.Array],  # ([L, N, block_size, K, D], same)
     inp: StepInputs,
     hidden_in: jax.Array | None,  # [T, E] from the previous stage; None on the first stage
     *,

@@ -27,9 +27,9 @@ LOGPROB_BUCKETS = (0, 1, 5, 20)
 
 def kv_bytes_per_block(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int) -> int:
     """Bytes one KV block takes on each device of the stage (K and V, all the stage's layers)."""
-    spec = kv_cache_spec(cfg, stage, tp, 1, block_size)
-    per_device_heads = max(1, spec.shape[2] // tp)
-    return 2 * spec.shape[0] * block_size * per_device_heads * spec.shape[3] * jnp.dtype(cfg.dtype).itemsize
+    L, _, _, heads, head_dim = kv_cache_spec(cfg, stage, tp, 1, block_size).shape
+    per_device_heads = max(1, heads // tp)
+    return 2 * L * block_size * per_device_heads * head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
 class StageRunner:

@@ -1,0 +1,131 @@
+"""``pipejax`` command line: ``generate`` (offline generation) and ``bench throughput``.
+
+JAX reads its device configuration once, at import; so this module sets the simulated-device
+environment first and imports everything JAX-related inside the command functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the built-in model)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=pp)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=tp)
+    p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. '5,6,5'")
+    p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipejax", description="Serve LLMs in JAX with pipeline x tensor parallelism")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (built-in model on simulated CPU devices)")
+    _add_engine_args(gen, pp=2, tp=2)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tput = bench_sub.add_parser("throughput", help="offline throughput (vLLM-style), next to transformers' generate")
+    _add_engine_args(tput, pp=1, tp=1)
+    tput.set_defaults(model="builtin:bench", max_num_seqs=64, max_num_batched_tokens=2048)
+    tput.add_argument("--num-prompts", type=int, default=64)
+    tput.add_argument("--input-len", type=int, default=128)
+    tput.add_argument("--output-len", type=int, default=64)
+    tput.add_argument("--repeats", type=int, default=3, help="timed runs (median reported)")
+    tput.add_argument("--hf-batch-size", type=int, default=16, help="transformers' generate batch size")
+    tput.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
+    tput.add_argument("--output-json", default=None, help="also write the figures to this file")
+    return parser
+
+
+def configure_devices(args: argparse.Namespace) -> None:
+    """Unless PIPEJAX_PLATFORM says otherwise, run on the CPU with enough simulated devices."""
+    if os.environ.get("PIPEJAX_PLATFORM", "cpu") != "cpu":
+        return
+    need = args.pipeline_parallel_size * args.tensor_parallel_size
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 1)}".strip()
+
+
+def _llm(args: argparse.Namespace, **extra):
+    from pipejax.ray_executor.llm import LLM
+
+    return LLM(
+        args.model,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pp_layer_partition=args.pp_layer_partition,
+        distributed_executor_backend=args.distributed_executor_backend,
+        dtype=args.dtype,
+        seed=args.seed,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        **extra,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pipejax.runner.batch import SamplingParams
+
+    start = time.perf_counter()
+    llm = _llm(args)
+    ready = time.perf_counter()
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    outputs = llm.generate(args.prompts, params)
+    done = time.perf_counter()
+    print(f"model: {llm.engine.config.model}")
+    for info in llm.engine.executor.stage_infos():
+        layers = f"layers {info.layers[0]}-{info.layers[1] - 1}"
+        print(f"  stage {info.pp_rank}: {layers} on {', '.join(info.devices)} (host {info.host}, pid {info.pid})")
+    for out in outputs:
+        print(f"\nprompt: {out.prompt!r}\noutput: {out.outputs[0].text!r}  ({out.outputs[0].finish_reason})")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(
+        f"\n{tokens} tokens in {done - ready:.2f}s = {tokens / (done - ready):.1f} tokens/s "
+        f"(start-up incl. compile {ready - start:.1f}s)"
+    )
+    llm.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_devices(args)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench" and args.bench == "throughput":
+            from pipejax.ray_executor.bench import run_throughput
+
+            return run_throughput(args, _llm)
+    except ValueError as exc:  # user mistakes: one clear line, no traceback
+        print(f"pipejax: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

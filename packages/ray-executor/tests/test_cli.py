@@ -1,0 +1,51 @@
+"""`pipejax generate` as a user runs it: a fresh process, simulated devices set up by the CLI itself."""
+
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "pipejax.ray_executor.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_generate_shows_text_placement_and_speed():
+    proc = run_cli("generate", "--max-tokens", "6", "--seed", "3", "Hello, pipejax!", "second prompt")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "stage 0: layers 0-1 on cpu:0, cpu:1" in out
+    assert "stage 1: layers 2-3 on cpu:2, cpu:3" in out
+    assert out.count("output: ") == 2 and "prompt: 'Hello, pipejax!'" in out
+    assert "12 tokens in" in out and "tokens/s" in out
+
+
+def test_generate_layout_too_large_is_one_clear_line():
+    proc = run_cli(
+        "generate",
+        "-pp",
+        "4",
+        "-tp",
+        "2",
+        "hi",
+        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+    )
+    assert proc.returncode == 2
+    assert (
+        "pipejax: error: pp_size=4 x tp_size=2 needs 8 devices but only 4 exist (cpu:0, cpu:1, cpu:2, cpu:3)"
+        in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_unknown_model_path(tmp_path):
+    proc = run_cli("generate", "--model", str(tmp_path / "missing"), "hi")
+    assert proc.returncode == 2
+    assert f"model '{tmp_path / 'missing'}' is not a folder holding a Hugging Face checkpoint" in proc.stderr
