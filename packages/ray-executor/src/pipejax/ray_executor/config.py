@@ -15,4 +15,5 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     dtype: str | None = None
     seed: int = 0
+    model_impl: str = "jax"
     step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang

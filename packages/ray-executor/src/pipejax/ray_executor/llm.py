@@ -44,6 +44,7 @@ class LLM:
         distributed_executor_backend: str | None = None,
         dtype: str | None = None,
         seed: int = 0,
+        model_impl: str = "jax",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float = 0.5,
@@ -70,6 +71,7 @@ class LLM:
             ),
             dtype=dtype,
             seed=seed,
+            model_impl=model_impl,
         )
         self.engine = LLMEngine(config)
         if warmup:  # compile the common buckets now rather than during the first requests

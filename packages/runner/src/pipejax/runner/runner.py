@@ -14,10 +14,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.checkpoint import load_stage_params
 from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
-from pipejax.runner.model import RULES, StepInputs, kv_cache_spec, stage_forward
+from pipejax.runner.model import RULES, StepInputs, kv_cache_spec
+from pipejax.runner.model_impl import get_model_impl
 from pipejax.runner.sampler import SamplingMetadata, sample, to_sampler_output
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class StageRunner:
         cache: CacheConfig = CacheConfig(num_blocks=256),
         model_config: ModelConfig | None = None,
         seed: int = 0,
+        model_impl: str = "jax",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -61,12 +62,13 @@ class StageRunner:
             cache.max_num_batched_tokens, cache.max_num_seqs, self.max_model_len, self.block_size
         )
         self.seed = seed
-        self.params = load_stage_params(self.model_path, self.cfg, stage, mesh)
+        self.impl = get_model_impl(model_impl)
+        self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
         self.kv_cache = self._allocate_kv_cache()
         self.compiled_shapes: set[tuple] = set()
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
-            functools.partial(stage_forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
+            functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
             static_argnames=("max_query_len",),
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),

@@ -41,6 +41,7 @@ class WorkerConfig:
     cache: CacheConfig = CacheConfig()
     dtype: str | None = None
     seed: int = 0
+    model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
     receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
 
 
@@ -103,7 +104,9 @@ class StageWorker:
         """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage)."""
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
         start = time.perf_counter()
-        self.runner = StageRunner(self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed)
+        self.runner = StageRunner(
+            self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed, self.config.model_impl
+        )
         log.info("stage %d loaded in %.1fs (%d KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
 
     def warmup_batches(self, max_shapes: int = 12) -> list[ModelBatch]:

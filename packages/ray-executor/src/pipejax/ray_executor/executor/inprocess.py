@@ -42,6 +42,7 @@ class InProcessExecutor(Executor):
                 cache=config.cache,
                 dtype=config.dtype,
                 seed=config.seed,
+                model_impl=config.model_impl,
             )
             recv = links[rank - 1] if rank > 0 else None
             send = links[rank] if rank < len(links) else None
