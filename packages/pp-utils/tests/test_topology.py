@@ -175,3 +175,11 @@ def test_rank_to_pp_tp(tp_size, expected):
 def test_rank_to_pp_tp_rejects_bad_values(rank, tp_size):
     with pytest.raises(ValueError, match=rf"rank={rank} and tp_size={tp_size}"):
         rank_to_pp_tp(rank, tp_size)
+
+
+def test_driver_node_id_wins_over_shared_ip():
+    """Simulated nodes on one machine share an IP: the driver's node id decides."""
+    records = [WorkerRecord(node, "10.0.0.1", i) for i, node in enumerate(["n2", "n1", "n2", "n1"])]
+    ranked = rank_workers(records, "10.0.0.1", driver_node_id="n2")
+    assert [r.record.node_id for r in ranked] == ["n2", "n2", "n1", "n1"]
+    assert [r.local_rank for r in ranked] == [0, 1, 0, 1]

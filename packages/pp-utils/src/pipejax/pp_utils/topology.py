@@ -39,12 +39,21 @@ def _ip_key(ip: str) -> tuple[int, int | str]:
         return (99, ip)
 
 
-def rank_workers(records: Sequence[WorkerRecord], driver_ip: str | None) -> list[RankedWorker]:
-    """Order ``records`` into final ranks; the returned list is indexed by rank."""
+def rank_workers(
+    records: Sequence[WorkerRecord], driver_ip: str | None, driver_node_id: str | None = None
+) -> list[RankedWorker]:
+    """Order ``records`` into final ranks; the returned list is indexed by rank.
+
+    The driver's node is ``driver_node_id`` when given (several simulated nodes may share one
+    IP), else every node whose IP is ``driver_ip``.
+    """
     if len({r.creation_index for r in records}) != len(records):
         raise ValueError(f"worker records have duplicate creation indices: {list(records)}")
     per_node = Counter(r.node_id for r in records)
-    driver_nodes = {r.node_id for r in records if driver_ip is not None and r.ip == driver_ip}
+    if driver_node_id is not None:
+        driver_nodes = {driver_node_id}
+    else:
+        driver_nodes = {r.node_id for r in records if driver_ip is not None and r.ip == driver_ip}
 
     def node_key(node_id: str):
         ip = next(r.ip for r in records if r.node_id == node_id)

@@ -128,7 +128,9 @@ class TransferServerTransport(ActivationTransport):
 
     ``host``: the IP address to bind and advertise (port chosen by the OS); ``unpulled_ttl_s``: how
     long a sent step waits to be pulled before the server drops it; ``bulk_connections``: sockets
-    for the bulk data (default: one per local device, as JAX's own examples do).
+    for the bulk data. The default is 1, the same on every stage: a server whose peer opened more
+    bulk connections than it has local devices aborts the process (jax 0.10.2), so the count is
+    never derived from the device count.
     """
 
     def __init__(
@@ -136,12 +138,12 @@ class TransferServerTransport(ActivationTransport):
         host: str = "127.0.0.1",
         *,
         unpulled_ttl_s: float = 600.0,
-        bulk_connections: int | None = None,
+        bulk_connections: int = 1,
     ):
         if host in ("0.0.0.0", "::", ""):
             raise ValueError(f"host={host!r} cannot be advertised to peers; pass this host's reachable IP address")
         hostport = f"[{host}]:0" if ":" in host else f"{host}:0"
-        connections = bulk_connections or len(jax.local_devices())
+        connections = bulk_connections
         self._server = transfer.start_transfer_server(jax.local_devices()[0].client, hostport, [hostport] * connections)
         self.address: str = self._server.address()
         self.unpulled_ttl_s = unpulled_ttl_s
