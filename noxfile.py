@@ -133,11 +133,20 @@ platform = vllm.platforms.current_platform
 print("vllm.platforms.current_platform:", platform)
 assert isinstance(platform, TpuPlatform), f"vLLM chose {type(platform)}, not pipejax's TpuPlatform"
 """
+# Without PIPEJAX_PLATFORM, on a host with no TPU, the plugin must not apply.
+VLLM_CHECK_OFF = """
+import vllm.platforms
+from pipejax.platform_tpu.hardware import tpu_present
+from pipejax.platform_tpu.platform import TpuPlatform
+platform = vllm.platforms.current_platform
+print("without PIPEJAX_PLATFORM:", type(platform).__name__)
+assert tpu_present() or not isinstance(platform, TpuPlatform)
+"""
 
 
 @nox.session(default=False)
 def vllm_plugin(session: nox.Session) -> None:
-    """vLLM 0.32.0's TPU build from its source archive must pick pipejax's platform (downloads ~1 GB)."""
+    """vLLM 0.32.0's TPU build from its source archive must pick pipejax's platform (a 3.5 GB venv)."""
     tmp = Path(session.create_tmp())
     build_env = {"VLLM_TARGET_DEVICE": "tpu", "VLLM_VERSION_OVERRIDE": VLLM_VERSION}
     # torch 2.13.0 CPU and vLLM's build requirements (pyproject.toml [build-system]), then the archive.
@@ -162,3 +171,4 @@ def vllm_plugin(session: nox.Session) -> None:
     # pipejax's platform and what it declares (no deps: the plugin itself imports none of them).
     session.install("--no-deps", *(str(PACKAGES / d) for d in ("pp-utils", "runner", "worker", "platform-tpu")))
     session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu"})
+    session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": ""})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from pipejax.pp_utils import ParallelConfig
 from pipejax.runner.config import CacheConfig
@@ -17,3 +18,8 @@ class EngineConfig:
     seed: int = 0
     model_impl: str = "jax"
     step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang
+    # Ray executor: cluster address (None: RAY_ADDRESS, else a local cluster), a placement group the
+    # caller already created (e.g. Ray Serve), and how long to wait for one to be placed.
+    ray_address: str | None = None
+    placement_group: Any = None
+    placement_timeout_s: float = 120.0

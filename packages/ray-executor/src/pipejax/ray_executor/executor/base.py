@@ -46,8 +46,7 @@ def executor_class(backend: str | None) -> type[Executor]:
 
         return InProcessExecutor
     if backend == "ray":
-        raise ValueError(
-            "distributed_executor_backend='ray' is not available yet in this build; "
-            "use 'uni' (all stages in this process)"
-        )
+        from pipejax.ray_executor.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     raise ValueError(f"unknown distributed_executor_backend={backend!r}; use 'uni' or 'ray'")

@@ -1,0 +1,145 @@
+"""PP Ray workers, each controlling the TP devices of one stage, on as many hosts as the cluster has.
+
+The driver sends only control messages (the batch) to every stage actor; activations go from
+stage to stage through each stage's JAX transfer server. Actor calls queue per actor, so
+with several batches submitted, stage 0 runs batch k+1 while stage 1 runs batch k.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pipejax.pp_utils import WorkerRecord, rank_workers
+from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.ray_placement import (
+    connect,
+    create_placement_group,
+    device_resource,
+    stage_environment,
+)
+from pipejax.ray_executor.executor.stage_actor import StageActor
+from pipejax.runner.batch import ModelBatch, SamplerOutput
+from pipejax.runner.config import StageConfig
+from pipejax.worker import StageInfo, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class StageFailedError(RuntimeError):
+    """A stage's actor died or raised; names the stage and its host."""
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        par = config.parallel
+        pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.resource = device_resource()
+        self._started_ray = connect(config.ray_address, self.resource, pp * tp)
+        self._own_pg = config.placement_group is None
+        self.pg = config.placement_group or create_placement_group(pp, tp, self.resource, config.placement_timeout_s)
+        timeout = config.step_timeout_s
+        actors = [
+            ray.remote(StageActor)
+            .options(
+                num_cpus=0,
+                resources={self.resource: tp},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": stage_environment(tp)},
+            )
+            .remote()
+            for i in range(pp)
+        ]
+        # Re-rank by where the actors landed: creation order is never trusted.
+        infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout)
+        records = [WorkerRecord(i["node_id"], i["ip"], n) for n, i in enumerate(infos)]
+        ranked = rank_workers(records, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+        self.actors = [actors[r.record.creation_index] for r in ranked]
+        self.placement = [{**infos[r.record.creation_index], "local_rank": r.local_rank,
+                           "local_world_size": r.local_world_size} for r in ranked]
+        ray.get([a.set_environment.remote(stage_environment(tp)) for a in self.actors], timeout=timeout)
+        addresses = ray.get(
+            [
+                a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"])
+                for rank, a in enumerate(self.actors)
+            ],
+            timeout=timeout,
+        )
+        ray.get(
+            [self.actors[r].connect_previous.remote(addresses[r - 1], self._name(r - 1)) for r in range(1, pp)],
+            timeout=timeout,
+        )
+        self.num_kv_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=timeout))
+        self.block_size = config.cache.block_size
+        ray.get([a.load.remote(self.num_kv_blocks) for a in self.actors], timeout=timeout)
+        log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))
+
+    def _worker_config(self, rank: int) -> WorkerConfig:
+        par = self.config.parallel
+        return WorkerConfig(
+            model=self.config.model,
+            stage=StageConfig(rank, par.pipeline_parallel_size, par.pp_layer_partition),
+            tp_size=par.tensor_parallel_size,
+            cache=self.config.cache,
+            dtype=self.config.dtype,
+            seed=self.config.seed,
+            model_impl=self.config.model_impl,
+        )
+
+    def _name(self, rank: int) -> str:
+        p = self.placement[rank]
+        return f"stage {rank} (host {p['host']}, ip {p['ip']}, node {p['node_id'][:8]}, pid {p['pid']})"
+
+    # --- Executor ----------------------------------------------------------------------------
+
+    def warmup(self, progress: bool = True) -> None:
+        batches = ray.get(self.actors[0].warmup_batches.remote(), timeout=self.config.step_timeout_s)
+        ray.get([a.warmup.remote(batches) for a in self.actors], timeout=self.config.step_timeout_s)
+
+    def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
+        refs = [a.execute_model.remote(batch) for a in self.actors]
+        result: Future[SamplerOutput] = Future()
+        for rank, ref in enumerate(refs):
+            ref.future().add_done_callback(lambda f, rank=rank: self._stage_done(rank, f, result))
+        return result
+
+    def _stage_done(self, rank: int, stage_future: Future, result: Future) -> None:
+        if result.done():
+            return
+        exc = stage_future.exception()
+        if exc is not None:
+            error = StageFailedError(f"{self._name(rank)} failed on a step: {type(exc).__name__}: {exc}")
+            try:
+                result.set_exception(error)
+            except Exception:  # another stage won the race
+                pass
+        elif rank == len(self.actors) - 1:
+            try:
+                result.set_result(stage_future.result())
+            except Exception:
+                pass
+
+    def stage_infos(self) -> list[StageInfo]:
+        return ray.get([a.info.remote() for a in self.actors], timeout=self.config.step_timeout_s)
+
+    def step_trace(self) -> list[tuple[int, int, float, float]]:
+        traces = ray.get([a.trace.remote() for a in self.actors], timeout=self.config.step_timeout_s)
+        return sorted((t for tr in traces for t in tr), key=lambda t: t[2])
+
+    def activation_bytes_sent(self) -> list[int]:
+        return ray.get([a.activation_bytes_sent.remote() for a in self.actors], timeout=self.config.step_timeout_s)
+
+    def shutdown(self) -> None:
+        for a in getattr(self, "actors", []):
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self._own_pg and getattr(self, "pg", None) is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()

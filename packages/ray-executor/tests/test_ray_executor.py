@@ -1,0 +1,123 @@
+"""The Ray executor on simulated multi-node clusters (ray.cluster_utils.Cluster), against the in-process executor."""
+
+import os
+import pickle
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.state import list_actors, list_placement_groups
+
+from pipejax.ray_executor import LLM, SamplingParams
+from pipejax.ray_executor.executor.ray_placement import CPU_DEVICE_RESOURCE
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = ["Hello, pipejax!", "The quick brown fox", "pipelines", "x" * 40, "a", "tensor parallel"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=128, warmup=False)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        llm.shutdown()
+
+
+def start_cluster(devices_per_node: list[int]) -> Cluster:
+    """The first entry is the head node (where the driver runs); each node declares its devices."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {CPU_DEVICE_RESOURCE: devices_per_node[0]}},
+    )
+    for devices in devices_per_node[1:]:
+        cluster.add_node(num_cpus=1, resources={CPU_DEVICE_RESOURCE: devices})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def run(pp: int, tp: int):
+    llm = LLM(None, pipeline_parallel_size=pp, tensor_parallel_size=tp, distributed_executor_backend="ray",
+              num_kv_blocks=128, warmup=False)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return llm, outputs
+
+
+def assert_contiguous_per_node(placement, driver_node=None):
+    nodes = [p["node_id"] for p in placement]
+    groups = [n for i, n in enumerate(nodes) if i == 0 or nodes[i - 1] != n]
+    assert len(groups) == len(set(groups)), f"ranks not contiguous per node: {nodes}"
+    for node in set(nodes):
+        local = [p["local_rank"] for p in placement if p["node_id"] == node]
+        assert local == list(range(len(local)))
+        assert {p["local_world_size"] for p in placement if p["node_id"] == node} == {len(local)}
+    if driver_node is not None:
+        assert nodes[0] == driver_node
+
+
+@pytest.mark.parametrize(
+    "pp,tp,devices",
+    [(2, 2, [2, 2]), (4, 2, [4, 4]), (2, 2, [0, 2, 2])],
+    ids=["pp2tp2-2nodes", "pp4tp2-2nodes-2stages-each", "pp2tp2-driver-node-without-devices"],
+)
+def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, devices):
+    cluster = start_cluster(devices)
+    try:
+        llm, outputs = run(pp, tp)
+        placement = llm.engine.executor.placement
+        driver_node = ray.get_runtime_context().get_node_id()
+        assert_contiguous_per_node(placement, driver_node if devices[0] else None)
+        assert len({p["node_id"] for p in placement}) == 2
+        assert len({p["pid"] for p in placement}) == pp  # one process per stage
+        if not devices[0]:
+            assert driver_node not in {p["node_id"] for p in placement}
+        assert outputs == expected
+        llm.shutdown()
+        assert not list_actors(filters=[("state", "=", "ALIVE")])  # shutdown removed the actors ...
+        assert not list_placement_groups(filters=[("state", "=", "CREATED")])  # ... and the placement group
+    finally:
+        stop_cluster(cluster)
+
+
+def test_activations_never_pass_through_the_driver(expected, monkeypatch):
+    """Everything the driver sends or gets back is small control data; the stages moved the activations."""
+    from pipejax.ray_executor.executor import ray_executor
+
+    sent, received = [], []
+    real_submit = ray_executor.RayExecutor.execute_model
+    real_done = ray_executor.RayExecutor._stage_done
+
+    def submit(self, batch):
+        sent.append(len(pickle.dumps(batch)) * len(self.actors))
+        return real_submit(self, batch)
+
+    def done(self, rank, stage_future, result):
+        if stage_future.exception() is None:
+            received.append(len(pickle.dumps(stage_future.result())))
+        return real_done(self, rank, stage_future, result)
+
+    monkeypatch.setattr(ray_executor.RayExecutor, "execute_model", submit)
+    monkeypatch.setattr(ray_executor.RayExecutor, "_stage_done", done)
+    cluster = start_cluster([2, 2])
+    try:
+        llm, outputs = run(2, 2)
+        assert outputs == expected
+        activation_bytes = llm.engine.executor.activation_bytes_sent()
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+    hidden = 256 * 4  # built-in model: hidden 256, float32
+    steps = len(sent)
+    assert activation_bytes[0] >= steps * 16 * hidden  # at least one 16-token bucket per step
+    assert activation_bytes[-1] == 0  # the last stage sends nothing
+    assert sum(sent) + sum(received) < activation_bytes[0] / 4
+    assert max(received) < 16 * hidden  # no result is as large as even the smallest activation
