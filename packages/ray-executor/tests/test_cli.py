@@ -38,10 +38,9 @@ def test_generate_layout_too_large_is_one_clear_line():
         env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 2
-    assert (
-        "pipejax: error: pp_size=4 x tp_size=2 needs 8 devices but only 4 exist (cpu:0, cpu:1, cpu:2, cpu:3)"
-        in proc.stderr
-    )
+    assert "pipejax: error: pipeline_parallel_size=4 x tensor_parallel_size=2" in proc.stderr
+    assert "fits: pipeline_parallel_size <= 2" in proc.stderr
+    assert "devices in this process: cpu:0, cpu:1, cpu:2, cpu:3" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

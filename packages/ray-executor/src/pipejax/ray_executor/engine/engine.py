@@ -6,6 +6,7 @@ request is in at most one of them (the scheduler skips requests in flight).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -15,11 +16,13 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+from pipejax.pp_utils import ParallelConfig
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler, SchedulerConfig
 from pipejax.ray_executor.executor.base import Executor, executor_class
+from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
 from pipejax.runner.config import ModelConfig
 from pipejax.runner.tokenizer import Tokenizer
@@ -33,6 +36,7 @@ class StepTimeout(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        config = dataclasses.replace(config, parallel=checked_layout(config.parallel))
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
@@ -135,3 +139,19 @@ class LLMEngine:
                 raise ValueError(f"{self.config.model} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
             return prompt, self.tokenizer.encode(prompt) if prompt else []
         return None, [int(t) for t in prompt]
+
+
+def checked_layout(parallel: ParallelConfig) -> ParallelConfig:
+    """The platform validates pp x tp against this host and picks the backend when none was asked.
+
+    With Ray, the cluster's capacity is checked by the placement group instead (it knows the nodes).
+    """
+    if parallel.distributed_executor_backend == "ray":
+        return parallel
+    try:
+        return current_platform().check_and_update_config(parallel)
+    except ValueError as exc:
+        import jax
+
+        listing = ", ".join(f"{d.platform}:{d.id}" for d in jax.devices())
+        raise ValueError(f"{exc} (devices in this process: {listing})") from None

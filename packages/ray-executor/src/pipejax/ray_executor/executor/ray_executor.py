@@ -17,12 +17,14 @@ from pipejax.pp_utils import WorkerRecord, rank_workers
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.executor.base import Executor
 from pipejax.ray_executor.executor.ray_placement import (
+    base_environment,
     connect,
     create_placement_group,
     device_resource,
-    stage_environment,
+    stage_environments,
 )
 from pipejax.ray_executor.executor.stage_actor import StageActor
+from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import StageConfig
 from pipejax.worker import StageInfo, WorkerConfig
@@ -39,7 +41,8 @@ class RayExecutor(Executor):
         self.config = config
         par = config.parallel
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
-        self.resource = device_resource()
+        platform = current_platform()
+        self.resource = device_resource(platform)
         self._started_ray = connect(config.ray_address, self.resource, pp * tp)
         self._own_pg = config.placement_group is None
         self.pg = config.placement_group or create_placement_group(pp, tp, self.resource, config.placement_timeout_s)
@@ -50,7 +53,7 @@ class RayExecutor(Executor):
                 num_cpus=0,
                 resources={self.resource: tp},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": stage_environment(tp)},
+                runtime_env={"env_vars": base_environment()},
             )
             .remote()
             for i in range(pp)
@@ -62,7 +65,8 @@ class RayExecutor(Executor):
         self.actors = [actors[r.record.creation_index] for r in ranked]
         self.placement = [{**infos[r.record.creation_index], "local_rank": r.local_rank,
                            "local_world_size": r.local_world_size} for r in ranked]
-        ray.get([a.set_environment.remote(stage_environment(tp)) for a in self.actors], timeout=timeout)
+        envs = stage_environments(platform, par, self.placement)
+        ray.get([a.set_environment.remote(env) for a, env in zip(self.actors, envs, strict=True)], timeout=timeout)
         addresses = ray.get(
             [
                 a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"])

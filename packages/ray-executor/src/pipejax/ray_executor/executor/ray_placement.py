@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,11 +16,9 @@ CPU_DEVICE_RESOURCE = "pipejax_cpu_device"  # what CPU development clusters decl
 PASSED_ENV_PREFIXES = ("PIPEJAX_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "RAY_CGRAPH_")
 
 
-def device_resource() -> str:
-    """The Ray resource one stage device takes: ``TPU`` on TPU hosts, a declared one on CPU."""
-    if os.environ.get("PIPEJAX_PLATFORM", "cpu") == "tpu":
-        return "TPU"
-    return os.environ.get("PIPEJAX_RAY_DEVICE_RESOURCE", CPU_DEVICE_RESOURCE)
+def device_resource(platform) -> str:
+    """The Ray resource one stage device takes: the platform's (``TPU``), or a declared one on CPU."""
+    return platform.ray_device_key or os.environ.get("PIPEJAX_RAY_DEVICE_RESOURCE", CPU_DEVICE_RESOURCE)
 
 
 def connect(address: str | None, resource: str, devices_needed: int) -> bool:
@@ -69,9 +68,24 @@ def _missing_resources_message(bundles: list[dict], resource: str, timeout_s: fl
     )
 
 
-def stage_environment(tp: int) -> dict[str, str]:
-    """Environment of one stage's process: its devices, plus the driver's pipejax/HF variables."""
-    env = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
-    if os.environ.get("PIPEJAX_PLATFORM", "cpu") == "cpu":
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}")
-    return env
+def stage_environments(platform, parallel, placement: list[dict]) -> list[dict[str, str]]:
+    """Per rank: the platform's environment for the stage (visible chips, process bounds, task id; on
+    CPU the simulated device count) plus the driver's pipejax/HF variables.
+
+    The platform plans stages host by host; rank r, the ``local_rank``-th stage on its node, takes
+    the environment the plan gives the ``local_rank``-th stage of a host.
+    """
+    hosts = len({p["node_id"] for p in placement})
+    plan = type(platform)(mode=platform.mode, num_hosts=hosts).plan(
+        dataclasses.replace(parallel, data_parallel_size=1, distributed_executor_backend="ray")
+    )
+    by_host: dict[int, list] = {}
+    for stage in plan.stages:
+        by_host.setdefault(stage.host, []).append(stage)
+    passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+    return [{**passed, **by_host[0][p["local_rank"]].env} for p in placement]
+
+
+def base_environment() -> dict[str, str]:
+    """What a stage actor starts with, before it knows its rank: no device is claimed yet."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)} | {"JAX_PLATFORMS": "cpu"}
