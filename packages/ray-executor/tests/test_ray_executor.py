@@ -2,6 +2,8 @@
 
 import os
 import pickle
+import signal
+import time
 
 import pytest
 import ray
@@ -9,6 +11,7 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors, list_placement_groups
 
 from pipejax.ray_executor import LLM, SamplingParams
+from pipejax.ray_executor.engine.engine import EngineDeadError
 from pipejax.ray_executor.executor.ray_placement import CPU_DEVICE_RESOURCE
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,8 +49,14 @@ def stop_cluster(cluster: Cluster) -> None:
 
 
 def run(pp: int, tp: int):
-    llm = LLM(None, pipeline_parallel_size=pp, tensor_parallel_size=tp, distributed_executor_backend="ray",
-              num_kv_blocks=128, warmup=False)
+    llm = LLM(
+        None,
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="ray",
+        num_kv_blocks=128,
+        warmup=False,
+    )
     outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return llm, outputs
 
@@ -121,3 +130,37 @@ def test_activations_never_pass_through_the_driver(expected, monkeypatch):
     assert activation_bytes[-1] == 0  # the last stage sends nothing
     assert sum(sent) + sum(received) < activation_bytes[0] / 4
     assert max(received) < 16 * hidden  # no result is as large as even the smallest activation
+
+
+def test_dead_stage_fails_every_request_with_a_clear_error():
+    cluster = start_cluster([2, 2])
+    try:
+        llm = LLM(
+            None,
+            pipeline_parallel_size=2,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            num_kv_blocks=128,
+            warmup=False,
+        )
+        engine = llm.engine
+        victim = engine.executor.placement[1]
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for i in range(4):
+            engine.add_request(f"r{i}", f"request {i}", long)
+        for _ in range(4):
+            engine.step()
+        os.kill(victim["pid"], signal.SIGKILL)  # the stage-1 actor process this test's cluster started
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=rf"stage 1 \(host {victim['host']}, ip {victim['ip']}") as err:
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 30
+        failed = {o.request_id: o.outputs[0] for o in err.value.failed_outputs}
+        assert sorted(failed) == ["r0", "r1", "r2", "r3"]
+        assert all(o.finish_reason == "error" and "stage 1" in o.stop_reason for o in failed.values())
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", "too late", long)
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)

@@ -30,8 +30,16 @@ from pipejax.runner.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+HEALTH_CHECK_AFTER_S = 5.0  # a step pending this long makes the engine ask the executor whether stages are alive
+
+
 class StepTimeout(RuntimeError):
     """A batch did not come back from the stages within ``step_timeout_s``."""
+
+
+class EngineDeadError(RuntimeError):
+    """The executor failed (a stage died, a host was lost, a step never came back). Every unfinished
+    request was failed with this error; the engine accepts no more work."""
 
 
 class LLMEngine:
@@ -56,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
+        self.dead: EngineDeadError | None = None
         self._in_flight: deque[tuple[ModelBatch, Future[SamplerOutput]]] = deque()
         self.in_flight_trace: list[tuple[float, int]] = []  # (time, batches in flight) after each submit
 
@@ -65,6 +74,8 @@ class LLMEngine:
         self, request_id: str, prompt: str | Sequence[int] | dict, sampling: SamplingParams | None = None
     ) -> None:
         """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing."""
+        if self.dead is not None:
+            raise self.dead
         sampling = sampling or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
@@ -96,6 +107,8 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.dead is not None:
+            raise self.dead
         batch = None
         depth = self.executor.max_concurrent_batches
         if len(self._in_flight) < depth:
@@ -114,15 +127,35 @@ class LLMEngine:
     def _finish_oldest(self) -> list[RequestOutput]:
         batch, future = self._in_flight.popleft()
         try:
-            output = future.result(timeout=self.config.step_timeout_s)
-        except FutureTimeout:
-            reason = f"step {batch.step_id} did not finish within {self.config.step_timeout_s}s"
-            log.error(reason)
-            return [r.output() for r in self.scheduler.fail(batch, reason)]
+            output = self._wait(batch, future)
         except Exception as exc:
-            log.error("step %d failed: %s", batch.step_id, exc)
-            return [r.output() for r in self.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")]
+            self._die(batch, exc)
         return [r.output() for r in self.scheduler.update(batch, output)]
+
+    def _wait(self, batch: ModelBatch, future: Future[SamplerOutput]) -> SamplerOutput:
+        """The batch's output; while it is pending, stages are health-checked so a lost one fails fast."""
+        deadline = time.monotonic() + self.config.step_timeout_s
+        while True:
+            try:
+                return future.result(timeout=min(HEALTH_CHECK_AFTER_S, max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                if time.monotonic() >= deadline:
+                    raise StepTimeout(
+                        f"step {batch.step_id} did not finish within {self.config.step_timeout_s}s"
+                    ) from None
+                self.executor.check_health()
+
+    def _die(self, batch: ModelBatch, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("engine stopped: %s", reason)
+        self.dead = EngineDeadError(reason)
+        failed = self.scheduler.fail(batch, reason)
+        for other, _ in self._in_flight:
+            failed += self.scheduler.fail(other, reason)
+        self._in_flight.clear()
+        failed += self.scheduler.fail_all(reason)
+        self.dead.failed_outputs = [r.output() for r in failed]
+        raise self.dead from exc
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -150,6 +150,17 @@ class Scheduler:
             failed.append(req)
         return failed
 
+    def fail_all(self, reason: str) -> list[Request]:
+        """Finish every waiting and running request with an error (the executor is gone)."""
+        failed = []
+        for req in list(self.waiting) + list(self.running):
+            req.in_flight = False
+            req.abort()
+            req.finish_reason, req.stop_reason = "error", reason
+            self._release(req)
+            failed.append(req)
+        return failed
+
     # --- internals ---------------------------------------------------------------------------
 
     def _preempt(self, req: Request) -> None:

@@ -35,6 +35,9 @@ class Executor(abc.ABC):
         """(pp_rank, step_id, start, end) of executed steps, for tests and profiling."""
         return []
 
+    def check_health(self) -> None:
+        """Raise an error naming the stage and host if a stage is gone; called while a step is pending."""
+
     def shutdown(self) -> None:
         """Stop workers; idempotent."""
 

@@ -31,6 +31,8 @@ from pipejax.worker import StageInfo, WorkerConfig
 
 log = logging.getLogger(__name__)
 
+HEALTH_TIMEOUT_S = 10.0
+
 
 class StageFailedError(RuntimeError):
     """A stage's actor died or raised; names the stage and its host."""
@@ -48,7 +50,7 @@ class RayExecutor(Executor):
         self.pg = config.placement_group or create_placement_group(pp, tp, self.resource, config.placement_timeout_s)
         timeout = config.step_timeout_s
         actors = [
-            ray.remote(StageActor)
+            ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
             .options(
                 num_cpus=0,
                 resources={self.resource: tp},
@@ -127,6 +129,19 @@ class RayExecutor(Executor):
                 result.set_result(stage_future.result())
             except Exception:
                 pass
+
+    def check_health(self) -> None:
+        pings = [a.ping.remote() for a in self.actors]
+        for rank, ping in enumerate(pings):
+            try:
+                ray.get(ping, timeout=HEALTH_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise StageFailedError(
+                    f"{self._name(rank)} did not answer a health check within {HEALTH_TIMEOUT_S:.0f}s; "
+                    f"its host may be lost or cut off"
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise StageFailedError(f"{self._name(rank)} is gone: {type(exc).__name__}: {exc}") from None
 
     def stage_infos(self) -> list[StageInfo]:
         return ray.get([a.info.remote() for a in self.actors], timeout=self.config.step_timeout_s)

@@ -11,6 +11,8 @@ import os
 import socket
 from typing import Any
 
+import ray
+
 
 class StageActor:
     def __init__(self):
@@ -21,8 +23,6 @@ class StageActor:
     # --- before JAX -------------------------------------------------------------------------
 
     def node_info(self) -> dict[str, Any]:
-        import ray
-
         ctx = ray.get_runtime_context()
         return {
             "node_id": ctx.get_node_id(),
@@ -75,6 +75,7 @@ class StageActor:
     def activation_bytes_sent(self) -> int:
         return self.bytes_sent
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
 
