@@ -25,7 +25,8 @@ nox.options.reuse_existing_virtualenvs = True
 # Default: lint, layering, and every layer that has tests (a layer whose issue has not come yet has none).
 nox.options.sessions = ["lint", "layers"] + [
     d.name.replace("-", "_") for d in sorted(PACKAGES.iterdir()) if any((d / "tests").glob("test_*.py"))
-]
+] + ["multihost"]  # Ray nodes in network namespaces: needs root, skips with the reason otherwise
+MULTIHOST_TESTS = PACKAGES / "ray-executor" / "tests" / "multihost"
 
 
 def _internal_deps(dist: str) -> list[str]:
@@ -46,9 +47,9 @@ def _install_layer(session: nox.Session, dist: str, extras: str | None = "test")
     session.install("-c", CONSTRAINTS, *local, target)
 
 
-def _test_layer(session: nox.Session, dist: str) -> None:
+def _test_layer(session: nox.Session, dist: str, *pytest_args: str) -> None:
     _install_layer(session, dist)
-    session.run("pytest", str(PACKAGES / dist / "tests"), "-q", *session.posargs, env=SIM_DEVICES)
+    session.run("pytest", str(PACKAGES / dist / "tests"), "-q", *pytest_args, *session.posargs, env=SIM_DEVICES)
 
 
 @nox.session
@@ -61,6 +62,12 @@ def pp_utils(session: nox.Session) -> None:
 def runner(session: nox.Session) -> None:
     """Test pipejax-runner with pp-utils, against transformers as the oracle."""
     _test_layer(session, "runner")
+
+
+@nox.session
+def torchax_bridge(session: nox.Session) -> None:
+    """Test pipejax-torchax-bridge with runner and pp-utils: torchax vs the native path and transformers."""
+    _test_layer(session, "torchax-bridge")
 
 
 @nox.session
@@ -78,7 +85,15 @@ def platform_tpu(session: nox.Session) -> None:
 @nox.session
 def ray_executor(session: nox.Session) -> None:
     """Test pipejax-ray-executor: scheduler, engine, executors, LLM API and CLI."""
-    _test_layer(session, "ray-executor")
+    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}")  # the `multihost` session runs those
+
+
+@nox.session
+def multihost(session: nox.Session) -> None:
+    """The Ray executor across network-namespace hosts with their own IPs (root; ~1.5 min)."""
+    _install_layer(session, "ray-executor", extras=None)  # no torch/transformers: it compares with itself
+    session.install("-c", CONSTRAINTS, "pytest", "pytest-timeout")
+    session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", *session.posargs, env=SIM_DEVICES)
 
 
 @nox.session

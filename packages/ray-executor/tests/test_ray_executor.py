@@ -48,7 +48,7 @@ def stop_cluster(cluster: Cluster) -> None:
     cluster.shutdown()
 
 
-def run(pp: int, tp: int):
+def run(pp: int, tp: int, compiled: bool = False):
     llm = LLM(
         None,
         pipeline_parallel_size=pp,
@@ -56,6 +56,7 @@ def run(pp: int, tp: int):
         distributed_executor_backend="ray",
         num_kv_blocks=128,
         warmup=False,
+        ray_compiled_graph=compiled,
     )
     outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return llm, outputs
@@ -93,6 +94,19 @@ def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, device
         llm.shutdown()
         assert not list_actors(filters=[("state", "=", "ALIVE")])  # shutdown removed the actors ...
         assert not list_placement_groups(filters=[("state", "=", "CREATED")])  # ... and the placement group
+    finally:
+        stop_cluster(cluster)
+
+
+def test_compiled_graph_mode_matches_and_pipelines(expected):
+    """Compiled-graph mode: two stages per node, same outputs, several batches in flight."""
+    cluster = start_cluster([4, 4])
+    try:
+        llm, outputs = run(4, 2, compiled=True)
+        assert llm.engine.executor.pipeline is not None  # the graph really ran the steps
+        assert outputs == expected
+        assert max(n for _, n in llm.engine.in_flight_trace) > 1
+        llm.shutdown()
     finally:
         stop_cluster(cluster)
 

@@ -23,3 +23,4 @@ class EngineConfig:
     ray_address: str | None = None
     placement_group: Any = None
     placement_timeout_s: float = 120.0
+    ray_compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)

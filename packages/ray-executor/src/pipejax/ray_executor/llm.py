@@ -52,6 +52,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         warmup: bool = True,
+        ray_compiled_graph: bool = False,
     ):
         config = EngineConfig(
             model=resolve_model(model),
@@ -72,6 +73,7 @@ class LLM:
             dtype=dtype,
             seed=seed,
             model_impl=model_impl,
+            ray_compiled_graph=ray_compiled_graph,
         )
         self.engine = LLMEngine(config)
         if warmup:  # compile the common buckets now rather than during the first requests

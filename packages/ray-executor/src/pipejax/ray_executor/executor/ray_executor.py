@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pipejax.pp_utils import WorkerRecord, rank_workers
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.compiled_graph import CompiledPipeline
 from pipejax.ray_executor.executor.ray_placement import (
     base_environment,
     connect,
@@ -71,7 +72,7 @@ class RayExecutor(Executor):
         ray.get([a.set_environment.remote(env) for a, env in zip(self.actors, envs, strict=True)], timeout=timeout)
         addresses = ray.get(
             [
-                a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"])
+                a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"], self._name(rank))
                 for rank, a in enumerate(self.actors)
             ],
             timeout=timeout,
@@ -80,6 +81,7 @@ class RayExecutor(Executor):
             [self.actors[r].connect_previous.remote(addresses[r - 1], self._name(r - 1)) for r in range(1, pp)],
             timeout=timeout,
         )
+        self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
         self.num_kv_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=timeout))
         self.block_size = config.cache.block_size
         ray.get([a.load.remote(self.num_kv_blocks) for a in self.actors], timeout=timeout)
@@ -108,6 +110,10 @@ class RayExecutor(Executor):
         ray.get([a.warmup.remote(batches) for a in self.actors], timeout=self.config.step_timeout_s)
 
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
+        if self.config.ray_compiled_graph:
+            if self.pipeline is None:
+                self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s)
+            return self.pipeline.submit(batch)
         refs = [a.execute_model.remote(batch) for a in self.actors]
         result: Future[SamplerOutput] = Future()
         for rank, ref in enumerate(refs):
@@ -131,6 +137,12 @@ class RayExecutor(Executor):
                 pass
 
     def check_health(self) -> None:
+        if self.pipeline is not None:  # actors inside a compiled graph serve no other calls: ask the GCS
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            for rank, p in enumerate(self.placement):
+                if p["node_id"] not in alive:
+                    raise StageFailedError(f"{self._name(rank)} is gone: its node is no longer alive")
+            return
         pings = [a.ping.remote() for a in self.actors]
         for rank, ping in enumerate(pings):
             try:
@@ -154,6 +166,9 @@ class RayExecutor(Executor):
         return ray.get([a.activation_bytes_sent.remote() for a in self.actors], timeout=self.config.step_timeout_s)
 
     def shutdown(self) -> None:
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.teardown()
+            self.pipeline = None
         for a in getattr(self, "actors", []):
             ray.kill(a, no_restart=True)
         self.actors = []

@@ -13,6 +13,8 @@ from typing import Any
 
 import ray
 
+from pipejax.ray_executor.executor.compiled_graph import execute_step
+
 
 class StageActor:
     def __init__(self):
@@ -36,11 +38,12 @@ class StageActor:
 
     # --- the stage --------------------------------------------------------------------------
 
-    def init_worker(self, worker_config, host_ip: str) -> str:
+    def init_worker(self, worker_config, host_ip: str, name: str = "") -> str:
         """Build the stage on this process's devices; returns this stage's transfer-server address."""
         from pipejax.pp_utils import TransferServerTransport
         from pipejax.worker import StageWorker
 
+        self.name = name or f"stage {worker_config.stage.pp_rank}"
         self.transport = TransferServerTransport(host=host_ip)
         stage = worker_config.stage
         recv = self.transport if not stage.is_first else None
@@ -65,6 +68,10 @@ class StageActor:
 
     def execute_model(self, batch):
         return self.worker.execute_model(batch)
+
+    def execute_step(self, incoming):
+        """This stage's node in the compiled graph (see compiled_graph.py)."""
+        return execute_step(self, incoming, self.name)
 
     def info(self):
         return self.worker.info()
