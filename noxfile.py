@@ -29,11 +29,14 @@ nox.options.sessions = ["lint", "layers"] + [
 MULTIHOST_TESTS = PACKAGES / "ray-executor" / "tests" / "multihost"
 
 
-def _internal_deps(dist: str) -> list[str]:
-    """Folders of the pipejax packages ``dist`` depends on, transitively, lowest first."""
-    data = tomllib.loads((PACKAGES / dist / "pyproject.toml").read_text())
+def _internal_deps(dist: str, extras: str | None = None) -> list[str]:
+    """Folders of the pipejax packages ``dist`` (with ``extras``) depends on, transitively, lowest first."""
+    project = tomllib.loads((PACKAGES / dist / "pyproject.toml").read_text())["project"]
+    deps = list(project.get("dependencies", []))
+    for extra in (extras or "").split(","):
+        deps += project.get("optional-dependencies", {}).get(extra, []) if extra else []
     out: list[str] = []
-    for dep in data["project"].get("dependencies", []):
+    for dep in deps:
         name = dep.split("=")[0].split("[")[0].strip()
         if name.startswith("pipejax-"):
             folder = name.removeprefix("pipejax-")
@@ -42,7 +45,7 @@ def _internal_deps(dist: str) -> list[str]:
 
 
 def _install_layer(session: nox.Session, dist: str, extras: str | None = "test") -> None:
-    local = [str(PACKAGES / d) for d in _internal_deps(dist)]
+    local = [str(PACKAGES / d) for d in _internal_deps(dist, extras)]
     target = f"{PACKAGES / dist}[{extras}]" if extras else str(PACKAGES / dist)
     session.install("-c", CONSTRAINTS, *local, target)
 

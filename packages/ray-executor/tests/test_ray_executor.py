@@ -7,6 +7,7 @@ import time
 
 import pytest
 import ray
+from oracle import make_checkpoint, mixed_prompts
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors, list_placement_groups
 
@@ -175,6 +176,31 @@ def test_dead_stage_fails_every_request_with_a_clear_error():
         assert all(o.finish_reason == "error" and "stage 1" in o.stop_reason for o in failed.values())
         with pytest.raises(EngineDeadError):
             engine.add_request("late", "too late", long)
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_torchax_model_impl_under_ray(tmp_path):
+    """The torchax bridge's stages run as Ray stage actors, pp2 on 2 nodes, same tokens as the native path."""
+    make_checkpoint(tmp_path, "LlamaForCausalLM")
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(4)]
+    native = LLM(str(tmp_path), pipeline_parallel_size=2, num_kv_blocks=64, block_size=8, warmup=False)
+    expected = [o.outputs[0].token_ids for o in native.generate(prompts, GREEDY)]
+    native.shutdown()
+    cluster = start_cluster([1, 1])
+    try:
+        llm = LLM(
+            str(tmp_path),
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+            model_impl="torchax",
+            num_kv_blocks=64,
+            block_size=8,
+            warmup=False,
+        )
+        assert len({p["node_id"] for p in llm.engine.executor.placement}) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
         llm.shutdown()
     finally:
         stop_cluster(cluster)
