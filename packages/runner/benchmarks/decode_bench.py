@@ -1,0 +1,159 @@
+"""Decode-step time of the runner on the benchmark model, next to this machine's floor.
+
+floor = max(FLOPs / measured matmul rate, weight bytes / measured memory bandwidth)
+
+Also the peak RSS of loading one stage of a pp=2 split against loading the whole model, each in
+a fresh process. Run: python packages/runner/benchmarks/decode_bench.py [--batches 1 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+CONTEXT = 128  # tokens already in the cache of every request when the timed decode steps run
+
+
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)
+
+
+def machine_rates() -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) measured with JAX on this machine."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    t, _, _ = timed(lambda: matmul(a).block_until_ready(), 5)
+    flops = 2 * 2048**3 / t
+    big = jnp.ones((64 * 1024 * 1024,), jnp.float32)  # 256 MB
+    scale = jax.jit(lambda x: x * 1.0001)
+    t, _, _ = timed(lambda: scale(big).block_until_ready(), 5)
+    return flops, 2 * big.nbytes / t
+
+
+def step_cost(cfg, batch: int) -> tuple[float, float]:
+    """(FLOPs, bytes of weights read) of one decode step of the whole model at ``batch``."""
+    E, F, H, K, D, V, L = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        cfg.num_layers,
+    )
+    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
+    matmul_params = L * per_layer + E * V  # + LM head; the embedding is a lookup
+    attention = L * 4 * batch * H * D * CONTEXT
+    bytes_read = 4 * (matmul_params + L * 2 * E + E) + 4 * batch * E
+    return 2 * batch * matmul_params + attention, bytes_read
+
+
+def decode_times(path: str, batches: list[int], repeats: int) -> dict[int, tuple[float, float, float]]:
+    import jax
+
+    from pipejax.pp_utils import stage_mesh
+    from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
+    from pipejax.runner.config import CacheConfig, StageConfig
+    from pipejax.runner.runner import StageRunner
+
+    block = 16
+    per_request = (CONTEXT + 64) // block + 1
+    cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request, max_num_seqs=max(batches))
+    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache)
+    greedy = SamplingParams(temperature=0)
+    step_ids = iter(range(10**9))
+
+    def decode(batch: int) -> None:
+        tables = [tuple(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(batch)]
+        reqs = tuple(ScheduledRequest(f"r{i}", (7,), CONTEXT, tables[i], greedy) for i in range(batch))
+        runner.execute(ModelBatch(next(step_ids), reqs))
+
+    return {b: timed(lambda b=b: decode(b), repeats) for b in batches}
+
+
+RSS_PROBE = """
+import os, resource, sys, json
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+from pipejax.pp_utils import stage_mesh
+from pipejax.runner.checkpoint import load_stage_params
+from pipejax.runner.config import ModelConfig, StageConfig
+path, pp_rank, pp_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = ModelConfig.from_pretrained(path)
+mesh = stage_mesh(jax.devices()[:1])
+jax.device_put(jax.numpy.zeros(1)).block_until_ready()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+params = load_stage_params(path, cfg, StageConfig(pp_rank, pp_size), mesh)
+jax.block_until_ready(params)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak": peak, "param_bytes": sum(p.nbytes for p in params.values())}))
+"""
+
+
+def load_rss(path: str, pp_rank: int, pp_size: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, path, str(pp_rank), str(pp_size)], capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+
+    from pipejax.runner.builtin_model import ensure_builtin_model
+    from pipejax.runner.config import ModelConfig
+
+    path = str(ensure_builtin_model("bench"))
+    cfg = ModelConfig.from_pretrained(path)
+    flops_rate, bandwidth = machine_rates()
+    print(
+        f"machine: matmul {flops_rate / 1e9:.1f} GFLOP/s (2048^3 fp32), memory {bandwidth / 1e9:.2f} GB/s "
+        f"(256 MB scale, read+write), {os.cpu_count()} CPUs"
+    )
+    results = {"matmul_gflops": flops_rate / 1e9, "memory_gbps": bandwidth / 1e9, "decode": {}}
+    print(f"\ndecode step, benchmark model (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
+    print("| batch | step ms | floor ms | step / floor | bound by |")
+    print("|---:|---:|---:|---:|---|")
+    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats).items():
+        flops, weight_bytes = step_cost(cfg, b)
+        compute, memory = flops / flops_rate, weight_bytes / bandwidth
+        floor = max(compute, memory)
+        bound = "compute" if compute >= memory else "memory"
+        step = f"{med * 1e3:.1f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}]"
+        print(f"| {b} | {step} | {floor * 1e3:.1f} | {med / floor:.2f}x | {bound} |")
+        results["decode"][b] = {"ms": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "floor_ms": floor * 1e3}
+    whole = load_rss(path, 0, 1)
+    stages = [load_rss(path, r, 2) for r in range(2)]
+    print("\npeak RSS while loading (fresh process each; growth over the process after importing JAX)")
+    print("| what | RSS growth MB | parameters MB |")
+    print("|---|---:|---:|")
+    for name, r in [("whole model (pp=1)", whole), ("stage 0 of pp=2", stages[0]), ("stage 1 of pp=2", stages[1])]:
+        print(f"| {name} | {(r['peak'] - r['base']) / 2**20:.0f} | {r['param_bytes'] / 2**20:.0f} |")
+    results["rss"] = {"whole": whole, "stages": stages}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
