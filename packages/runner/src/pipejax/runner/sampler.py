@@ -146,7 +146,11 @@ def _argmax(x: jax.Array) -> jax.Array:
 
 
 def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array) -> jax.Array:
-    """Temperature, min-p, top-k, top-p, then a Gumbel-max draw per row.  # i32[R]"""
+    """Temperature, min-p, top-k, top-p, then an inverse-CDF draw per row.  # i32[R]
+
+    One uniform number per row (not one per vocabulary entry, as Gumbel-max needs): on the CPU,
+    generating R x V random numbers cost more than the rest of the sampler together.
+    """
     temperature = jnp.where(greedy, 1.0, meta.temperature)
     scaled = logits / temperature[:, None]  # [R, V]
     top = jnp.max(scaled, axis=-1, keepdims=True)
@@ -159,8 +163,14 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
     scaled = jnp.where(bits >= cut[:, None], scaled, -jnp.inf)
 
     keys = jax.random.wrap_key_data(jnp.asarray(meta.keys, jnp.uint32), impl="threefry2x32")
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:], jnp.float32))(keys)
-    return _argmax(scaled + gumbel)
+    uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # [R]
+    weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [R, V], 0 where filtered
+    cdf = jnp.cumsum(weights, axis=-1)
+    # The first index whose cdf exceeds u * total: a filtered (zero-weight) token can never be it.
+    token = jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
+    # u * total can round up to the total: never step past the last token that has weight.
+    last_kept = weights.shape[-1] - 1 - _argmax(jnp.flip(weights > 0, axis=-1).astype(jnp.float32))
+    return jnp.minimum(token, last_kept).astype(jnp.int32)
 
 
 def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int) -> SampleResult:
