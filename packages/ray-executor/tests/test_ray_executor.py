@@ -9,7 +9,6 @@ import pytest
 import ray
 from oracle import make_checkpoint, mixed_prompts
 from ray.cluster_utils import Cluster
-from ray.util.state import list_actors, list_placement_groups
 
 from pipejax.ray_executor import LLM, SamplingParams
 from pipejax.ray_executor.engine.engine import EngineDeadError
@@ -92,9 +91,12 @@ def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, device
         if not devices[0]:
             assert driver_node not in {p["node_id"] for p in placement}
         assert outputs == expected
+        actors, pg = llm.engine.executor.actors, llm.engine.executor.pg
         llm.shutdown()
-        assert not list_actors(filters=[("state", "=", "ALIVE")])  # shutdown removed the actors ...
-        assert not list_placement_groups(filters=[("state", "=", "CREATED")])  # ... and the placement group
+        for actor in actors:  # shutdown removed the actors ...
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.ping.remote(), timeout=30)
+        assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # ... and the placement group
     finally:
         stop_cluster(cluster)
 
