@@ -17,6 +17,7 @@ class EngineConfig:
     dtype: str | None = None
     seed: int = 0
     model_impl: str = "jax"
+    max_batches_in_flight: int | None = None  # None: one per pipeline stage (1 turns pipelining off)
     step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang
     # Ray executor: cluster address (None: RAY_ADDRESS, else a local cluster), a placement group the
     # caller already created (e.g. Ray Serve), and how long to wait for one to be placed.

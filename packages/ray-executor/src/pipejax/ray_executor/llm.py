@@ -53,6 +53,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         warmup: bool = True,
         ray_compiled_graph: bool = False,
+        max_batches_in_flight: int | None = None,
     ):
         config = EngineConfig(
             model=resolve_model(model),
@@ -74,6 +75,7 @@ class LLM:
             seed=seed,
             model_impl=model_impl,
             ray_compiled_graph=ray_compiled_graph,
+            max_batches_in_flight=max_batches_in_flight,
         )
         self.engine = LLMEngine(config)
         if warmup:  # compile the common buckets now rather than during the first requests

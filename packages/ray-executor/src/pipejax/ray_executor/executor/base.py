@@ -17,8 +17,8 @@ class Executor(abc.ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Batches the engine may keep in flight: one per pipeline stage."""
-        return self.config.parallel.pipeline_parallel_size
+        """Batches the engine may keep in flight: one per pipeline stage (unless the config caps it)."""
+        return self.config.max_batches_in_flight or self.config.parallel.pipeline_parallel_size
 
     @abc.abstractmethod
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
