@@ -20,6 +20,13 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def _powers_of_two_and_halves(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, ..., 4, 6, 8, 12, 16, 24, ... up to hi: attention cost grows with the padded context,
+    so context buckets step by 1.5x/1.33x rather than 2x."""
+    out = {b for p in _powers_of_two(1, max(hi, 1)) for b in (p, p + p // 2) if lo <= b <= hi}
+    return tuple(sorted(out | {lo, hi}))
+
+
 def pick(buckets: tuple[int, ...], n: int, what: str) -> int:
     for b in buckets:
         if n <= b:
@@ -44,7 +51,7 @@ class Buckets:
             tokens=_powers_of_two(min(16, max_tokens), max_tokens),
             rows=_powers_of_two(min(8, max_num_seqs), max_num_seqs),
             query=_powers_of_two(1, max_tokens),
-            blocks=_powers_of_two(min(max(1, 64 // block_size), max_blocks), max_blocks),
+            blocks=_powers_of_two_and_halves(min(max(1, 64 // block_size), max_blocks), max_blocks),
         )
 
     def shape_of(self, batch: ModelBatch, block_size: int) -> tuple[int, int, int, int]:
