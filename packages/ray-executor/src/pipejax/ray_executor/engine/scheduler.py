@@ -136,32 +136,23 @@ class Scheduler:
         return touched
 
     def fail(self, batch: ModelBatch, reason: str) -> list[Request]:
-        """A batch could not be executed: finish its requests with an error, keep the rest going."""
-        failed = []
-        for entry in batch.requests:
-            req = self.requests.get(entry.request_id)
-            if req is None:
-                continue
-            req.in_flight = False
-            if not req.finished:
-                req.abort()
-                req.finish_reason, req.stop_reason = "error", reason
-            self._release(req)
-            failed.append(req)
-        return failed
+        """A batch could not be executed: finish its requests with an error."""
+        requests = [self.requests[e.request_id] for e in batch.requests if e.request_id in self.requests]
+        return [self._fail(req, reason) for req in requests]
 
     def fail_all(self, reason: str) -> list[Request]:
         """Finish every waiting and running request with an error (the executor is gone)."""
-        failed = []
-        for req in list(self.waiting) + list(self.running):
-            req.in_flight = False
-            req.abort()
-            req.finish_reason, req.stop_reason = "error", reason
-            self._release(req)
-            failed.append(req)
-        return failed
+        return [self._fail(req, reason) for req in list(self.waiting) + list(self.running)]
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _fail(self, req: Request, reason: str) -> Request:
+        req.in_flight = False
+        if not req.finished:
+            req.abort()
+            req.finish_reason, req.stop_reason = "error", reason
+        self._release(req)
+        return req
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
