@@ -1,4 +1,5 @@
-"""``pipejax`` command line: ``generate`` (offline generation) and ``bench throughput``.
+"""``pipejax`` command line: ``generate`` (offline generation), ``serve`` (the OpenAI-compatible server),
+``bench throughput`` and ``bench serve``.
 
 JAX reads its device configuration once, at import; so this module sets the simulated-device
 environment first and imports everything JAX-related inside the command functions.
@@ -10,6 +11,8 @@ import argparse
 import os
 import sys
 import time
+
+from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
 
 
 def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
@@ -53,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--hf-batch-size", type=int, default=16, help="transformers' generate batch size")
     tput.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     tput.add_argument("--output-json", default=None, help="also write the figures to this file")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over dp engines of pp x tp")
+    _add_engine_args(serve, pp=1, tp=1)
+    add_serve_args(serve)
+    bench_serve = bench_sub.add_parser("serve", help="online benchmark against a running `pipejax serve`")
+    add_bench_serve_args(bench_serve)
     return parser
 
 
@@ -117,8 +126,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "serve":  # a client only: no devices, no JAX
+        from pipejax.ray_executor.serving.bench import run_bench_serve
+
+        return run_bench_serve(args)
     configure_devices(args)
     try:
+        if args.command == "serve":
+            from pipejax.ray_executor.serving.serve import run_serve
+
+            args.model = args.model_tag or args.model
+            return run_serve(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench" and args.bench == "throughput":

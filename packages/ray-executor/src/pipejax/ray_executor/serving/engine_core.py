@@ -1,0 +1,286 @@
+"""One data-parallel rank: an ``LLMEngine`` in its own busy loop, fed and drained over ZMQ.
+
+The loop owns the request sockets (a DEALER to every API server's ROUTER, a PUSH to every API
+server's PULL); a side thread owns a PUSH to the coordinator and sends the engine's waiting /
+running counts every ``STATS_INTERVAL_S`` (the coordinator also takes it as a heartbeat, so a
+long compile or step never looks like a dead engine).
+
+The same class runs inside a Ray actor (``EngineCoreActor``, backend ``ray``) and inside a local
+process (``run_engine_process``, backend ``mp``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+
+import msgspec
+import zmq
+
+from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.engine.request import RequestOutput
+from pipejax.ray_executor.serving.addresses import DPAddresses
+from pipejax.ray_executor.serving.protocol import (
+    STATS_INTERVAL_S,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+    Logprob,
+    RequestType,
+    engine_identity,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 100  # how long an idle engine waits for a message before looking at its stop flag
+SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last outputs
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
+                 node_id: str = ""):
+        self.config = config
+        self.index = index
+        self.addresses = addresses
+        self.warmup = warmup
+        self.node_id = node_id or socket.gethostname()
+        self.stop_event = threading.Event()
+        self.dead: str | None = None
+        self.engine = None
+        self._clients: dict[str, int] = {}  # request id -> API server index
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, text chars) already sent
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+        self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
+
+    # --- life ------------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Build the engine, announce it, serve until told to stop or the engine dies; returns why it ended."""
+        self.engine = self.build_engine()
+        ctx = zmq.Context()
+        dealers, pushes = [], []
+        for i in range(self.addresses.api_server_count):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, engine_identity(self.index))
+            dealer.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+            dealer.connect(self.addresses.input(i))
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+            push.connect(self.addresses.output(i))
+            dealers.append(dealer)
+            pushes.append(push)
+        self._pushes = pushes
+        stats = threading.Thread(target=self._stats_loop, args=(ctx,), name=f"engine{self.index}-stats", daemon=True)
+        stats.start()
+        info = self._encoder.encode(self.info())
+        for dealer in dealers:
+            dealer.send_multipart([RequestType.READY.value, info])
+        log.info("%s ready", self.info().describe())
+        try:
+            return self._loop(dealers)
+        finally:
+            self.stop_event.set()
+            stats.join(timeout=2 * STATS_INTERVAL_S + 1)
+            for s in dealers + pushes:
+                s.close()
+            ctx.term()
+            self.engine.shutdown()
+
+    def build_engine(self):
+        from pipejax.ray_executor.engine.engine import LLMEngine
+
+        engine = LLMEngine(self.config)
+        if self.warmup:
+            engine.executor.warmup()
+        return engine
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            index=self.index, node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
+            max_model_len=self.engine.max_model_len, vocab_size=self.engine.model_config.vocab_size,
+        )
+
+    def _loop(self, dealers: list[zmq.Socket]) -> str:
+        from pipejax.ray_executor.engine.engine import EngineDeadError
+
+        poller = zmq.Poller()
+        for dealer in dealers:
+            poller.register(dealer, zmq.POLLIN)
+        while not self.stop_event.is_set():
+            busy = self.engine.has_unfinished_requests()
+            for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
+                self._drain(sock)
+            if self.stop_event.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except EngineDeadError as exc:
+                return self._die(exc)
+            self._send(outputs)
+        return "stopped"
+
+    def _die(self, exc) -> str:
+        """The executor failed: fail every request with an error naming this engine, say so, stop."""
+        self.dead = f"{type(exc).__name__}: {exc}"  # the cause; receivers prefix the engine's name
+        message = f"{self.info().describe()} died: {self.dead}"
+        log.error("%s", message)
+        failed = [o for o in getattr(exc, "failed_outputs", []) if o.request_id in self._clients]
+        self._send(failed, error_kind="engine_dead", error_prefix=f"{self.info().describe()} died: ")
+        # Requests the engine no longer knew about fail too; the last message says the engine is gone.
+        leftovers = dict(self._clients)
+        self._clients.clear()
+        for client in range(len(self._pushes)):
+            mine = [EngineCoreOutput(rid, finish_reason="error", error=message, error_kind="engine_dead")
+                    for rid, c in leftovers.items() if c == client]
+            self._push(client, EngineCoreOutputs(self.index, mine, engine_dead=self.dead))
+        return self.dead
+
+    # --- messages in -----------------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                log.error("engine %d: a message of %d frames ignored", self.index, len(frames))
+                continue
+            kind, payload = frames
+            try:
+                if kind == RequestType.ADD.value:
+                    self._add(self._decode_add(payload))
+                elif kind == RequestType.ABORT.value:
+                    for rid in self._decode_abort(payload):
+                        self._forget(rid)
+                        self.engine.abort_request(rid)
+                elif kind == RequestType.SHUTDOWN.value:
+                    self.stop_event.set()
+                else:
+                    log.warning("engine %d: unknown request type %r ignored", self.index, kind)
+            except msgspec.DecodeError as exc:  # a bad message must not take the engine down
+                log.error("engine %d: undecodable %r message ignored: %s", self.index, kind, exc)
+
+    def _add(self, req: EngineCoreRequest) -> None:
+        try:
+            self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.sampling_params)
+        except ValueError as exc:
+            out = EngineCoreOutput(req.request_id, finish_reason="error", error=str(exc), error_kind="invalid_request")
+            self._push(req.client_index, EngineCoreOutputs(self.index, [out]))
+            return
+        self._clients[req.request_id] = req.client_index
+        self._sent[req.request_id] = (0, 0)
+
+    def _forget(self, rid: str) -> None:
+        self._clients.pop(rid, None)
+        self._sent.pop(rid, None)
+
+    # --- messages out ----------------------------------------------------------------------------
+
+    def _send(self, outputs: list[RequestOutput], error_kind: str | None = None, error_prefix: str = "") -> None:
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            client = self._clients.get(out.request_id)
+            if client is None:  # aborted: nobody is listening
+                continue
+            by_client.setdefault(client, []).append(self._delta(out, error_kind, error_prefix))
+            if out.finished:
+                self._forget(out.request_id)
+        for client, outs in by_client.items():
+            self._push(client, EngineCoreOutputs(self.index, outs))
+
+    def _push(self, client: int, outputs: EngineCoreOutputs) -> None:
+        """Never block the loop on one API server: one that stopped reading loses its requests, not the engine."""
+        if client >= len(self._pushes):
+            log.warning("engine %d: no API server %d; outputs dropped", self.index, client)
+            return
+        try:
+            self._pushes[client].send(self._encoder.encode(outputs), zmq.NOBLOCK)
+        except zmq.Again:
+            gone = [rid for rid, c in self._clients.items() if c == client]
+            log.error("engine %d: API server %d is not reading its outputs; aborting its %d requests",
+                      self.index, client, len(gone))
+            for rid in gone:
+                self._forget(rid)
+                self.engine.abort_request(rid)
+
+    def _delta(self, out: RequestOutput, error_kind: str | None, error_prefix: str) -> EngineCoreOutput:
+        completion = out.outputs[0]
+        tokens_sent, chars_sent = self._sent[out.request_id]
+        text = completion.text
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = [Logprob(lp.sampled, [tuple(t) for t in lp.top]) for lp in completion.logprobs[tokens_sent:]]
+        finish = completion.finish_reason if out.finished else None
+        error = f"{error_prefix}{completion.stop_reason}" if finish == "error" else None
+        self._sent[out.request_id] = (len(completion.token_ids), len(text))
+        return EngineCoreOutput(
+            request_id=out.request_id,
+            new_token_ids=list(completion.token_ids[tokens_sent:]),
+            new_text=text[chars_sent:],
+            text_len=len(text),
+            new_logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=None if finish == "error" else completion.stop_reason,
+            error=error,
+            error_kind=(error_kind or "engine_dead") if finish == "error" else None,
+        )
+
+    def _stats_loop(self, ctx: zmq.Context) -> None:
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 100)  # a stale heartbeat is worthless: drop rather than queue
+        push.connect(self.addresses.stats)
+        try:
+            while True:
+                sched = self.engine.scheduler
+                stats = EngineStats(self.index, len(sched.waiting), len(sched.running), self.dead)
+                try:
+                    push.send(self._encoder.encode(stats), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                if self.stop_event.wait(STATS_INTERVAL_S):
+                    return
+        finally:
+            push.close()
+
+
+class EngineCoreActor:
+    """The Ray actor body of one DP rank; ``stop`` runs in its own concurrency group while ``run`` loops."""
+
+    def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True):
+        import ray
+
+        logging.basicConfig(level=logging.INFO)
+        node_id = ray.get_runtime_context().get_node_id()
+        self.core = EngineCore(config, index, addresses, warmup, node_id=node_id)
+
+    def run(self) -> str:
+        return self.core.run()
+
+    def stop(self) -> None:
+        self.core.stop_event.set()
+
+    def where(self) -> dict:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def run_engine_process(config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool) -> None:
+    """Backend ``mp``: the body of a local engine process (``multiprocessing`` spawn target); SIGTERM stops it."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{index} %(levelname)s %(message)s")
+    core = EngineCore(config, index, addresses, warmup)
+    # Ctrl-C reaches the whole process group: the launcher decides when engines stop (SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: core.stop_event.set())
+    reason = core.run()
+    log.info("engine %d ended: %s", index, reason)
+    if core.dead:
+        raise SystemExit(3)

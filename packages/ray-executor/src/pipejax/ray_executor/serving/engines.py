@@ -1,0 +1,215 @@
+"""Starting, watching and stopping the DP engine cores: Ray actors (backend ``ray``) or local processes (``mp``).
+
+Backend ``ray``: every rank gets a placement group of pp bundles ``{<device resource>: tp}``
+(PACK), created from the head; ``data_parallel_size_local`` of them are pinned to the head's node
+(label ``ray.io/node-id``) and the others kept off it, or, without it, Ray places all of them by
+resources. The engine-core actor (no resources of its own) sits in bundle 0 and its
+``RayExecutor`` creates the stage actors in the same group, so a rank's stages land where its
+bundles were reserved. Addresses go to the actors as arguments; nothing is asked back.
+
+``poll_dead`` reports each engine that ended, with the cause (not naming the engine), exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import time
+
+from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.serving.addresses import LOOPBACK, DPAddresses
+from pipejax.ray_executor.serving.engine_core import EngineCoreActor, run_engine_process
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 15.0
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of an error (Ray's actor errors go on for a screen)."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+
+
+class RayEngines:
+    def __init__(self, config: EngineConfig, dp_size: int, dp_local: int | None, addresses: DPAddresses,
+                 warmup: bool = True):
+        self.config = config
+        self.dp_size = dp_size
+        self.dp_local = dp_local
+        self.addresses = addresses
+        self.warmup = warmup
+        self.actors: list = []
+        self.groups: list = []
+        self.nodes: list[str] = []
+        self._pending: dict = {}  # run() ref -> rank
+        self._started_ray = False
+
+    def start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from pipejax.ray_executor.executor.ray_placement import base_environment, connect, device_resource
+        from pipejax.ray_executor.platforms import current_platform
+
+        par = self.config.parallel
+        resource = device_resource(current_platform())
+        self._started_ray = connect(self.config.ray_address, resource, self.dp_size * par.world_size)
+        head = ray.get_runtime_context().get_node_id()
+        self.groups = [self._placement_group(rank, head, resource) for rank in range(self.dp_size)]
+        self._wait_placed(resource)
+        self._check_reachable(head)
+        actor_class = ray.remote(concurrency_groups={"control": 1})(EngineCoreActor)
+        for rank, pg in enumerate(self.groups):
+            config = dataclasses.replace(self.config, placement_group=pg)
+            actor = actor_class.options(
+                num_cpus=0,
+                name=f"pipejax-engine-{rank}-{pg.id.hex()[:8]}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+                runtime_env={"env_vars": base_environment()},
+            ).remote(config, rank, self.addresses, self.warmup)
+            self.actors.append(actor)
+            self._pending[actor.run.remote()] = rank
+        log.info("started %d engine-core actors (pp=%d x tp=%d each) on nodes %s", self.dp_size,
+                 par.pipeline_parallel_size, par.tensor_parallel_size, [n[:8] for n in self.nodes])
+
+    def _placement_group(self, rank: int, head: str, resource: str):
+        from ray.util.placement_group import placement_group
+
+        par = self.config.parallel
+        bundles = [{resource: float(par.tensor_parallel_size)} for _ in range(par.pipeline_parallel_size)]
+        selector = None
+        if self.dp_local is not None:
+            node = head if rank < self.dp_local else f"!{head}"
+            selector = [{"ray.io/node-id": node} for _ in bundles]
+        return placement_group(bundles, strategy="PACK", name=f"pipejax-dp{rank}-{time.time_ns()}",
+                               bundle_label_selector=selector)
+
+    def _wait_placed(self, resource: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        timeout = self.config.placement_timeout_s
+        ready, waiting = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
+        if waiting:
+            par = self.config.parallel
+            nodes = ", ".join(f"{n['NodeID'][:8]}: {n['Resources'].get(resource, 0):g}"
+                              for n in ray.nodes() if n.get("Alive"))
+            where = (f"{self.dp_local} of them on the head node, the rest on other nodes"
+                     if self.dp_local is not None else "anywhere")
+            raise ValueError(
+                f"the Ray cluster could not place {self.dp_size} data-parallel engines of {par.pipeline_parallel_size} "
+                f"x {{{resource}: {par.tensor_parallel_size}}} ({where}) within {timeout:.0f}s; only "
+                f"{len(ready)} fit. '{resource}' per node: {nodes}. Add nodes, or lower -dp/-pp/-tp/-dpl."
+            )
+        self.nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.groups]
+
+    def _check_reachable(self, head: str) -> None:
+        """Engines on another machine cannot reach sockets bound to loopback."""
+        import ray
+
+        if self.addresses.host != LOOPBACK:
+            return
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        far = sorted({ips[n] for n in self.nodes} - {ips[head]})
+        if far:
+            raise ValueError(
+                f"data-parallel engines were placed on hosts {far}, which cannot reach the API server's sockets "
+                f"on {LOOPBACK}; pass --data-parallel-address {ips[head]} (an address of this host they can reach)"
+            )
+
+    def poll_dead(self, timeout_s: float) -> dict[int, str]:
+        import ray
+
+        if not self._pending:
+            time.sleep(timeout_s)
+            return {}
+        done, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout_s)
+        dead = {}
+        for ref in done:
+            rank = self._pending.pop(ref)
+            try:
+                dead[rank] = f"its actor ended: {ray.get(ref, timeout=10)}"
+            except Exception as exc:
+                dead[rank] = _cause(exc)
+        return dead
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors:
+            try:
+                actor.stop.options(concurrency_group="control").remote()
+            except Exception:
+                pass
+        if self._pending:
+            done, late = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=STOP_TIMEOUT_S)
+            log.info("engines stopped: %d cleanly, %d killed", len(done), len(late))
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for pg in self.groups:
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception as exc:
+                log.warning("placement group not removed: %s", exc)
+        self.actors, self.groups, self._pending = [], [], {}
+        if self._started_ray:
+            ray.shutdown()
+
+
+class ProcessEngines:
+    """Backend ``mp``: ranks ``ranks`` as local processes (spawned: each imports JAX with its own devices).
+
+    They are stopped with SIGTERM (an engine finishes its loop and exits), then killed after
+    ``STOP_TIMEOUT_S``; no shared lock is involved, so an engine that was killed cannot wedge the stop.
+    """
+
+    def __init__(self, config: EngineConfig, ranks: range, addresses: DPAddresses, warmup: bool = True):
+        self.config = config
+        self.ranks = ranks
+        self.addresses = addresses
+        self.warmup = warmup
+        self.procs: dict[int, multiprocessing.Process] = {}
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for rank in self.ranks:
+            proc = ctx.Process(target=run_engine_process, name=f"pipejax-engine-{rank}",
+                               args=(self.config, rank, self.addresses, self.warmup))
+            proc.start()
+            self.procs[rank] = proc
+        log.info("started engine processes %s", {r: p.pid for r, p in self.procs.items()})
+
+    def poll_dead(self, timeout_s: float) -> dict[int, str]:
+        alive = [p.sentinel for p in self.procs.values() if p.exitcode is None]
+        if alive:
+            multiprocessing.connection.wait(alive, timeout=timeout_s)
+        else:
+            time.sleep(timeout_s)
+        dead = {}
+        for rank, proc in list(self.procs.items()):
+            if proc.exitcode is not None:
+                dead[rank] = f"its process (pid {proc.pid}) exited with code {proc.exitcode}"
+                del self.procs[rank]
+        return dead
+
+    @property
+    def alive(self) -> bool:
+        return any(p.exitcode is None for p in self.procs.values())
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.exitcode is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.exitcode is None:
+                log.warning("engine process %d did not stop in %.0fs: killing it", proc.pid, STOP_TIMEOUT_S)
+                proc.kill()
+                proc.join(timeout=5)
+        self.procs = {}

@@ -1,0 +1,55 @@
+"""Prometheus metrics of an API server, labelled by DP engine (names follow the established ``vllm:`` set).
+
+With several API server processes, ``PROMETHEUS_MULTIPROC_DIR`` is set by the launcher before they
+start; each process writes its share there and ``/metrics`` in any of them reports the sum
+(the engine gauges come from the coordinator, so every process holds the same value: most recent wins).
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r, engine = self.registry, ["engine"]
+        self.running = Gauge("pipejax:num_requests_running", "Requests in an engine's running set", engine,
+                             registry=r, multiprocess_mode="mostrecent")
+        self.waiting = Gauge("pipejax:num_requests_waiting", "Requests waiting in an engine's queue", engine,
+                             registry=r, multiprocess_mode="mostrecent")
+        self.alive = Gauge("pipejax:engine_alive", "1 while a data-parallel engine serves, 0 once it died", engine,
+                           registry=r, multiprocess_mode="mostrecent")
+        self.prompt_tokens = Counter("pipejax:prompt_tokens", "Prompt tokens of finished requests", engine,
+                                     registry=r)
+        self.generation_tokens = Counter("pipejax:generation_tokens", "Tokens generated", engine, registry=r)
+        self.requests = Counter("pipejax:request_success", "Finished requests by finish reason",
+                                engine + ["finished_reason"], registry=r)
+        self.failed = Counter("pipejax:request_failure", "Requests that failed by kind", engine + ["kind"],
+                              registry=r)
+        self.ttft = Histogram("pipejax:time_to_first_token_seconds", "Time to first token", engine,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pipejax:inter_token_latency_seconds", "Time between two outputs of a request", engine,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pipejax:e2e_request_latency_seconds", "Request latency, arrival to last token", engine,
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def set_engine_load(self, counts: list[list[int]], ready: set[int], dead: set[int]) -> None:
+        for index, (waiting, running) in enumerate(counts):
+            label = str(index)
+            self.waiting.labels(label).set(waiting)
+            self.running.labels(label).set(running)
+            self.alive.labels(label).set(1 if index in ready and index not in dead else 0)
+
+    def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

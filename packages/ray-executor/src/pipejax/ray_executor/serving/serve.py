@@ -1,0 +1,195 @@
+"""``pipejax serve``: the head (coordinator, engines, API servers) or, with ``--headless``, engines only.
+
+Life of the head process:
+  1. addresses for every socket (fixed from ``--data-parallel-rpc-port``, else free ports);
+  2. the DP coordinator (a thread here);
+  3. the engines (Ray actors or local processes), and a watcher thread that reports each engine
+     that ends to the coordinator, which tells every API server;
+  4. the API server(s): in this process, or ``--api-server-count`` processes sharing the port;
+  5. on SIGINT/SIGTERM (or when the API server fails to start): everything stopped, in reverse.
+
+An engine that dies fails its own in-flight requests (500 naming it) and leaves routing; the
+other engines keep serving; ``/health`` answers 503 naming it. With every engine dead, requests
+get 503 until the server is restarted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import tempfile
+import threading
+
+from pipejax.ray_executor.serving.addresses import DPAddresses, free_ports
+
+log = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5
+
+
+def engine_config(args: argparse.Namespace):
+    from pipejax.pp_utils import ParallelConfig
+    from pipejax.ray_executor.config import EngineConfig
+    from pipejax.ray_executor.llm import resolve_model
+    from pipejax.runner.config import CacheConfig
+
+    backend = args.distributed_executor_backend
+    if args.data_parallel_backend == "ray":
+        if backend == "uni":
+            raise ValueError("-dpb ray runs every engine's stages as Ray actors; --distributed-executor-backend uni "
+                             "is for -dpb mp (engines as local processes)")
+        backend = "ray"
+    return EngineConfig(
+        model=resolve_model(args.model),
+        parallel=ParallelConfig(
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pp_layer_partition=args.pp_layer_partition,
+            distributed_executor_backend=backend,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+        dtype=args.dtype,
+        seed=args.seed,
+        model_impl=args.model_impl,
+        ray_compiled_graph=args.ray_compiled_graph,
+        placement_timeout_s=args.placement_timeout,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    dp, dpl = args.data_parallel_size, args.data_parallel_size_local
+    if dp < 1:
+        raise ValueError(f"--data-parallel-size={dp} must be >= 1")
+    if dpl is not None and not 0 <= dpl <= dp:
+        raise ValueError(f"--data-parallel-size-local={dpl} must be in [0, --data-parallel-size={dp}]")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count={args.api_server_count} must be >= 1")
+    if args.headless:
+        if args.data_parallel_backend != "mp":
+            raise ValueError("--headless starts local engine processes for a head elsewhere (-dpb mp); with -dpb ray "
+                             "the head launches every engine itself through Ray")
+        if not args.data_parallel_rpc_port:
+            raise ValueError("--headless needs the head's --data-parallel-rpc-port (and --data-parallel-address "
+                             "unless the head is on this machine) to find its sockets")
+    elif args.data_parallel_backend == "mp" and dpl is not None and dpl < dp and not args.data_parallel_rpc_port:
+        raise ValueError(f"-dpl {dpl} < -dp {dp} with -dpb mp: the other ranks join with --headless, which needs "
+                         f"a fixed --data-parallel-rpc-port here and there")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    check_args(args)
+    config = engine_config(args)
+    addresses = DPAddresses.create(args.data_parallel_address, args.data_parallel_rpc_port, args.api_server_count)
+    if args.headless:
+        return _run_headless(args, config, addresses)
+    return _run_head(args, config, addresses)
+
+
+def _run_headless(args, config, addresses: DPAddresses) -> int:
+    from pipejax.ray_executor.serving.engines import ProcessEngines
+
+    start = args.data_parallel_start_rank
+    count = args.data_parallel_size - start
+    if args.data_parallel_size_local is not None:
+        count = args.data_parallel_size_local
+    engines = ProcessEngines(config, range(start, start + count), addresses, warmup=not args.no_warmup)
+    stop = _stop_on_signals()
+    engines.start()
+    try:
+        while not stop.is_set() and engines.alive:
+            for reason in engines.poll_dead(WATCH_INTERVAL_S).values():
+                log.error("%s", reason)
+    finally:
+        engines.shutdown()
+    return 0
+
+
+def _run_head(args, config, addresses: DPAddresses) -> int:
+    from pipejax.ray_executor.serving.coordinator import DPCoordinator
+    from pipejax.ray_executor.serving.engines import ProcessEngines, RayEngines
+    from pipejax.ray_executor.serving.frontend import FrontendConfig
+
+    dp, dpl = args.data_parallel_size, args.data_parallel_size_local
+    coordinator = DPCoordinator(addresses, dp, heartbeat_timeout_s=args.heartbeat_timeout)
+    coordinator.start()
+    if args.data_parallel_backend == "ray":
+        engines = RayEngines(config, dp, dpl, addresses, warmup=not args.no_warmup)
+    else:
+        engines = ProcessEngines(config, range(dpl if dpl is not None else dp), addresses, warmup=not args.no_warmup)
+    watching = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(engines, coordinator, watching), name="engine-watch", daemon=True)
+    try:
+        engines.start()
+        watcher.start()
+        frontend = FrontendConfig(
+            addresses=addresses, client_index=0, dp_size=dp, model_path=config.model,
+            served_model_name=args.served_model_name or args.model or "builtin", api_key=args.api_key,
+            ready_timeout_s=args.engine_ready_timeout, output_timeout_s=args.request_timeout,
+        )
+        return _run_api_servers(args, frontend)
+    finally:
+        watching.set()
+        watcher.join(timeout=5)
+        engines.shutdown()
+        coordinator.stop()
+
+
+def _watch(engines, coordinator, stop: threading.Event) -> None:
+    while not stop.is_set():
+        for rank, reason in engines.poll_dead(WATCH_INTERVAL_S).items():
+            if not stop.is_set():
+                coordinator.mark_dead(rank, reason)
+
+
+def _run_api_servers(args, frontend) -> int:
+    from pipejax.ray_executor.serving.api_server import api_server_process, serve_http
+
+    if args.api_server_count == 1:
+        return serve_http(frontend, args.host, args.port)
+    port = args.port or free_ports(args.host, 1)[0]
+    metrics_dir = tempfile.mkdtemp(prefix="pipejax-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before the API server processes import prometheus
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=api_server_process, name=f"pipejax-api-{i}",
+                    args=(dataclasses.replace(frontend, client_index=i), args.host, port))
+        for i in range(args.api_server_count)
+    ]
+    for proc in procs:
+        proc.start()
+    log.info("%d API servers on http://%s:%d (pids %s)", len(procs), args.host, port, [p.pid for p in procs])
+    stop = _stop_on_signals()
+    try:
+        while not stop.is_set() and all(p.exitcode is None for p in procs):
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=WATCH_INTERVAL_S)
+    finally:
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.exitcode is None:
+                proc.kill()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    failed = [p for p in procs if p.exitcode not in (0, -signal.SIGTERM)]
+    return 1 if failed and not stop.is_set() else 0
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

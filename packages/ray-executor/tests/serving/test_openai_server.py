@@ -1,0 +1,281 @@
+"""`pipejax serve` dp2 x pp2 (backend ray, -dpl 1) on a simulated 2-node cluster, driven by the official openai client.
+
+One server for the module (start-up ~35 s); the engine-kill test runs last because it leaves the
+server with one engine.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from server_utils import Server, start_cluster
+
+pytestmark = pytest.mark.timeout(600)
+
+API_KEY = "test-key"
+PROMPTS = [f"request {i}: the answer is" for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = start_cluster([2, 2])
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(cluster, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = ["-dp", "2", "-dpl", "1", "-pp", "2", "-tp", "1", "-dpb", "ray", "--api-key", API_KEY,
+            "--num-kv-blocks", "256", "--max-num-seqs", "32", "--heartbeat-timeout", "30"]
+    server = Server(args, log, env={"RAY_ADDRESS": cluster.address})
+    try:
+        server.wait_healthy(timeout=300)
+        yield server
+    finally:
+        rc = server.stop()
+        print(server.tail())
+        assert rc == 0, f"server exit code {rc}"
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def health(server) -> tuple[int, dict]:
+    resp = httpx.get(f"{server.url}/health", timeout=10)
+    return resp.status_code, resp.json()
+
+
+def routed(server) -> list[int]:
+    return [e["routed"] for e in health(server)[1]["engines"]]
+
+
+def post(server, path: str, content: str | bytes, key: str | None = API_KEY, **headers) -> httpx.Response:
+    headers = {"content-type": "application/json", **headers}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
+
+
+def test_engines_placed_by_dpl_and_models_listed(server, cluster, client):
+    status, body = health(server)
+    assert status == 200 and body["status"] == "ok"
+    engines = body["engines"]
+    assert [e["alive"] for e in engines] == [True, True]
+    head = cluster.head_node.node_id
+    assert engines[0]["node_id"] == head  # -dpl 1: rank 0 on the head node ...
+    assert engines[1]["node_id"] != head  # ... rank 1 (and its stages) on the other one
+    assert engines[0]["pid"] != engines[1]["pid"]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["builtin"]
+
+
+def test_completions_chat_and_streaming(client):
+    greedy = {"model": "builtin", "temperature": 0, "max_tokens": 8}
+    full = client.completions.create(prompt="Hello, pipejax!", **greedy)
+    choice = full.choices[0]
+    assert choice.finish_reason in ("length", "stop") and full.usage.completion_tokens <= 8
+    assert full.usage.prompt_tokens > 0 and full.id.startswith("cmpl-")
+
+    chunks = list(client.completions.create(prompt="Hello, pipejax!", stream=True, **greedy))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+    two = client.completions.create(prompt=["a b c", "x y z"], n=2, logprobs=2, **greedy)
+    assert sorted(c.index for c in two.choices) == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text  # greedy: the n samples agree
+    lp = two.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == two.usage.completion_tokens // 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+    messages = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(messages=messages, **greedy)
+    assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+    stream = client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True},
+                                            **greedy)
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    # Sampling with a seed is reproducible; stop strings cut the text, streamed or not.
+    sampled = [client.completions.create(prompt="seeded", model="builtin", max_tokens=6, temperature=1.0, top_p=0.9,
+                                         seed=7, extra_body={"top_k": 20}).choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    long = client.completions.create(prompt="Hello, pipejax!", model="builtin", temperature=0, max_tokens=16).choices[0]
+    stop = long.text[5:7] if len(long.text) >= 7 else None
+    if stop:
+        cut = client.completions.create(prompt="Hello, pipejax!", model="builtin", temperature=0, max_tokens=16,
+                                        stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == long.text[: long.text.index(stop)]
+        streamed = client.completions.create(prompt="Hello, pipejax!", model="builtin", temperature=0, max_tokens=16,
+                                             stop=[stop], stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == cut.text
+
+
+def test_200_concurrent_requests_match_a_serial_run_and_use_both_engines(server):
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        serial = []
+        for prompt in PROMPTS:
+            out = await client.completions.create(model="builtin", prompt=prompt, max_tokens=6, temperature=0)
+            serial.append(out.choices[0].text)
+        before = routed(server)
+        outs = await asyncio.gather(*[
+            client.completions.create(model="builtin", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=6, temperature=0)
+            for i in range(200)
+        ])
+        after = routed(server)
+        return serial, outs, [a - b for a, b in zip(after, before, strict=True)]
+
+    serial, outs, share = asyncio.run(run())
+    assert all(o.choices[0].finish_reason in ("length", "stop") for o in outs)
+    assert [o.choices[0].text for o in outs] == [serial[i % len(PROMPTS)] for i in range(200)]
+    assert sum(share) == 200
+    assert min(share) >= 60, f"requests per engine {share}: each should serve at least 30%"
+
+
+def test_bad_requests_get_400_with_an_openai_error_body(server, client):
+    cases = {
+        "{not json": "malformed JSON",
+        '{"prompt": "x", "max_tokens": 0}': "max_tokens",
+        '{"prompt": "x", "temperature": -1}': "temperature",
+        '{"prompt": "x", "top_p": 2}': "top_p",
+        '{"prompt": "x", "n": 0}': "n",
+        '{"prompt": "x", "data_parallel_rank": 7}': "data_parallel_rank=7 is out of range",
+        '{"prompt": [1, 99999]}': "outside the vocabulary",
+        '{"prompt": "x", "max_tokens": 100000}': "maximum context length",
+        '{"prompt": "x", "presence_penalty": 0.5}': "not supported",
+        '{"max_tokens": 3}': "prompt",
+    }
+    for body, expected in cases.items():
+        resp = post(server, "/v1/completions", body)
+        assert resp.status_code == 400, (body, resp.text)
+        error = resp.json()["error"]
+        assert expected in error["message"] and error["type"] == "invalid_request_error", (body, error)
+    resp = post(server, "/v1/chat/completions", '{"messages": []}')
+    assert resp.status_code == 400 and "messages" in resp.json()["error"]["message"]
+    resp = post(server, "/v1/chat/completions", '{"messages": [{"role": "robot", "content": "x"}]}')
+    assert resp.status_code == 400 and "Unknown role" in resp.json()["error"]["message"]
+    resp = post(server, "/v1/completions", '{"model": "gpt-9", "prompt": "x"}')
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="builtin", prompt="x", max_tokens=-5)
+    # ... and the server keeps serving.
+    assert client.completions.create(model="builtin", prompt="still here", max_tokens=2).choices[0].text is not None
+
+
+def test_api_key_is_required_on_v1(server):
+    assert post(server, "/v1/completions", '{"prompt": "x"}', key=None).status_code == 401
+    resp = post(server, "/v1/completions", '{"prompt": "x"}', key="wrong")
+    assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+    assert post(server, "/v1/completions", "{not json", key=None).status_code == 401  # auth before parsing
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert health(server)[0] == 200  # /health and /metrics need no key
+
+
+def test_rank_header_pins_the_engine(server):
+    before = routed(server)
+    for _ in range(3):
+        resp = post(server, "/v1/completions", '{"prompt": "pinned", "max_tokens": 2}', **{"X-data-parallel-rank": "1"})
+        assert resp.status_code == 200, resp.text
+    after = routed(server)
+    assert [a - b for a, b in zip(after, before, strict=True)] == [0, 3]
+
+
+def idle(server, timeout: float = 15.0) -> bool:
+    """Both engines empty (as the coordinator reports them) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(e["waiting"] == e["running"] == 0 for e in health(server)[1]["engines"]):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_client_disconnect_aborts_the_request(server):
+    headers = {"content-type": "application/json", "authorization": f"Bearer {API_KEY}"}
+    body = '{"prompt": "go on", "max_tokens": 1500, "ignore_eos": true, "stream": true}'
+    with httpx.stream("POST", f"{server.url}/v1/completions", content=body, headers=headers, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(6))
+    assert idle(server)  # the engine dropped it long before 1500 tokens
+
+    body = '{"prompt": "go on", "max_tokens": 1500, "ignore_eos": true}'
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting and closes
+        httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=2)
+    assert idle(server)
+
+
+def test_metrics_per_engine(server):
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("pipejax:num_requests_running", "pipejax:num_requests_waiting", "pipejax:generation_tokens_total",
+                 "pipejax:prompt_tokens_total", "pipejax:time_to_first_token_seconds_bucket",
+                 "pipejax:inter_token_latency_seconds_bucket", "pipejax:engine_alive"):
+        assert f'{name}{{engine="0"' in text and f'{name}{{engine="1"' in text, name
+    ttft = {line.split("{")[1].split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("pipejax:time_to_first_token_seconds_count")}
+    assert ttft["0"] > 0 and ttft["1"] > 0
+
+
+def test_bench_serve_reports_the_usual_figures(server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipejax.ray_executor.cli", "bench", "serve", "--base-url", server.url,
+         "--api-key", API_KEY, "--num-prompts", "16", "--input-len", "16", "--output-len", "8",
+         "--output-json", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in ("Successful requests:", "Output token throughput (tok/s):", "Mean TTFT (ms):", "P99 TPOT (ms):",
+                 "Median ITL (ms):"):
+        assert line in proc.stdout
+    import json
+
+    figures = json.loads(out.read_text())
+    assert figures["completed"] == 16 and figures["total_output_tokens"] == 16 * 8
+
+
+def test_engine_killed_fails_its_requests_and_the_other_keeps_serving(server):
+    """Runs last: SIGKILL engine 1's core process with requests in flight on both engines."""
+    victim = health(server)[1]["engines"][1]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        tasks = [asyncio.create_task(client.completions.create(
+            model="builtin", prompt=f"long {i}", max_tokens=200, temperature=0, extra_body={"ignore_eos": True}))
+            for i in range(8)]
+        await asyncio.sleep(1.5)
+        os.kill(victim["pid"], signal.SIGKILL)  # the engine-core actor process this test's server started
+        start = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, time.monotonic() - start
+
+    results, elapsed = asyncio.run(run())
+    assert elapsed < 60
+    failed = [r for r in results if isinstance(r, Exception)]
+    done = [r for r in results if not isinstance(r, Exception)]
+    assert failed and done, results
+    for err in failed:
+        assert isinstance(err, openai.InternalServerError), err
+        assert err.status_code == 500 and "data-parallel engine 1" in str(err) and "died" in str(err)
+    assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 200 for r in done)
+
+    status, body = health(server)
+    assert status == 503 and body["status"] == "degraded"
+    assert body["engines"][1]["alive"] is False and "data-parallel engine 1" in body["engines"][1]["error"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    for _ in range(3):  # the survivor takes everything
+        assert client.completions.create(model="builtin", prompt="after", max_tokens=3).usage.completion_tokens == 3
+    resp = post(server, "/v1/completions", '{"prompt": "x", "max_tokens": 2}', **{"X-data-parallel-rank": "1"})
+    assert resp.status_code == 503 and "data-parallel engine 1" in resp.json()["error"]["message"]

@@ -1,0 +1,246 @@
+"""The serving pieces without a model: wire types, the engine-core loop (on a fake engine), the coordinator, routing."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+
+from pipejax.ray_executor.engine.engine import EngineDeadError
+from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
+from pipejax.ray_executor.serving.addresses import DPAddresses
+from pipejax.ray_executor.serving.client import DPClient, RequestFailed
+from pipejax.ray_executor.serving.coordinator import DPCoordinator
+from pipejax.ray_executor.serving.engine_core import EngineCore
+from pipejax.ray_executor.serving.frontend import Choice
+from pipejax.ray_executor.serving.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+    LoadUpdate,
+    RequestType,
+    engine_identity,
+)
+from pipejax.runner.batch import SamplingParams, TokenLogprobs
+
+pytestmark = pytest.mark.timeout(60)
+
+encode = msgspec.msgpack.Encoder().encode
+
+
+def test_wire_types_round_trip_through_msgspec_and_validate():
+    req = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"], seed=3, logprobs=2), 1, 9.5)
+    assert msgspec.msgpack.decode(encode(req), type=EngineCoreRequest) == req
+    bad = encode(EngineCoreRequest("r2", [1], SamplingParams()))
+    bad = bad.replace(encode(1.0), encode(-1.0), 1)  # temperature -1 on the wire
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        msgspec.msgpack.decode(bad, type=EngineCoreRequest)
+    assert RequestType.ADD.value == b"\x00" and len({t.value for t in RequestType}) == len(RequestType)
+
+
+def test_fixed_port_layout_is_the_same_on_every_node():
+    a = DPAddresses.create("10.0.0.5", 30000, api_server_count=2)
+    assert (a.stats, a.publish) == ("tcp://10.0.0.5:30000", "tcp://10.0.0.5:30001")
+    assert [a.input(0), a.output(0), a.input(1), a.output(1)] == [f"tcp://10.0.0.5:{p}" for p in range(30002, 30006)]
+    assert a == DPAddresses.create("10.0.0.5", 30000, api_server_count=2)
+    local = DPAddresses.create(None, None, 1)
+    assert local.host == "127.0.0.1" and len({local.stats_port, local.publish_port, *local.input_ports}) == 3
+
+
+class FakeEngine:
+    """Just enough of LLMEngine: one token per step per request, text = letters; request 'cut' stops on "b"."""
+
+    def __init__(self):
+        self.scheduler = SimpleNamespace(waiting=[], running=[])
+        self.max_model_len = 64
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.aborted: list[str] = []
+        self.fail_next = False
+
+    def add_request(self, rid, prompt, params):
+        if not prompt["prompt_token_ids"]:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        self.requests[rid] = (prompt["prompt_token_ids"], params, [])
+        self.scheduler.running.append(rid)
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+        self.requests.pop(rid, None)
+        if rid in self.scheduler.running:
+            self.scheduler.running.remove(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        time.sleep(0.01)
+        if self.fail_next:
+            err = EngineDeadError("stage 1 (host h) failed on a step: boom")
+            err.failed_outputs = [self._output(rid, "error", "stage 1 (host h) failed") for rid in self.requests]
+            self.requests.clear()
+            raise err
+        outs = []
+        for rid, (_, params, tokens) in list(self.requests.items()):
+            tokens.append(len(tokens))
+            reason = "length" if len(tokens) >= params.max_tokens else None
+            if rid == "cut" and len(tokens) == 3:
+                reason = "stop"
+            outs.append(self._output(rid, reason))
+            if reason:
+                del self.requests[rid]
+                self.scheduler.running.remove(rid)
+        return outs
+
+    def _output(self, rid, reason, stop_reason=None):
+        tokens = self.requests[rid][2]
+        text = "".join("abcdef"[t % 6] for t in tokens)
+        if rid == "cut" and reason == "stop":
+            text = text[: text.index("b")]  # a stop string cuts text that was already sent
+        logprobs = [TokenLogprobs(-0.5, ((t, -0.5),)) for t in tokens]
+        completion = CompletionOutput(0, text, list(tokens), logprobs, reason, stop_reason)
+        return RequestOutput(rid, None, [1], [completion], reason is not None)
+
+    def shutdown(self):
+        pass
+
+
+class FakeCore(EngineCore):
+    def build_engine(self):
+        return FakeEngine()
+
+
+def _recv(sock, decode, timeout_ms=5000):
+    assert sock.poll(timeout_ms), "nothing arrived"
+    return decode(sock.recv())
+
+
+def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
+    addresses = DPAddresses.create(None, None, 1)
+    ctx = zmq.Context()
+    router, pull, stats = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    router.bind(addresses.input(0))
+    pull.bind(addresses.output(0))
+    stats.bind(addresses.stats)
+    core = FakeCore(None, 3, addresses, warmup=False, node_id="node-x")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(reason=core.run()), daemon=True)
+    thread.start()
+    decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+    try:
+        assert router.poll(5000)
+        identity, kind, payload = router.recv_multipart()
+        info = msgspec.msgpack.decode(payload, type=EngineInfo)
+        assert kind == RequestType.READY.value and identity == engine_identity(3) and info.index == 3
+        assert "data-parallel engine 3" in info.describe() and info.max_model_len == 64
+
+        def send(kind, payload):
+            router.send_multipart([engine_identity(3), kind.value, encode(payload)])
+
+        send(RequestType.ADD, EngineCoreRequest("cut", [5, 6], SamplingParams(max_tokens=10, logprobs=1)))
+        send(RequestType.ADD, EngineCoreRequest("empty", [], SamplingParams()))
+        send(RequestType.ADD, EngineCoreRequest("long", [5], SamplingParams(max_tokens=1000)))
+        choice, errors, long_seen = Choice(0, 2), {}, 0
+        while choice.finish_reason is None or not errors:
+            for out in _recv(pull, decode_outputs).outputs:
+                if out.request_id == "cut":
+                    choice.apply(out)
+                elif out.request_id == "empty":
+                    errors[out.request_id] = out
+                else:
+                    long_seen += 1
+        assert errors["empty"].error_kind == "invalid_request" and "prompt is empty" in errors["empty"].error
+        assert choice.finish_reason == "stop" and choice.text == "a" and choice.token_ids == [0, 1, 2]
+        assert len(choice.logprobs) == 3 and choice.logprobs[0].top == [(0, -0.5)]
+        assert long_seen >= 1
+        send(RequestType.ABORT, ["long"])
+        deadline = time.monotonic() + 5
+        while "long" not in core.engine.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.engine.aborted == ["long"]
+        load = _recv(stats, msgspec.msgpack.Decoder(EngineStats).decode)
+        assert load.engine_index == 3 and load.dead is None
+
+        core.engine.fail_next = True
+        send(RequestType.ADD, EngineCoreRequest("doomed", [1], SamplingParams(max_tokens=50)))
+        dead, failed = None, []
+        while dead is None:
+            msg = _recv(pull, decode_outputs)
+            failed += [o for o in msg.outputs if o.request_id == "doomed"]
+            dead = msg.engine_dead
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert "EngineDeadError" in dead and "stage 1 (host h)" in dead and result["reason"] == dead
+        assert failed and failed[0].error_kind == "engine_dead"
+        assert failed[0].error.startswith("data-parallel engine 3 (host ") and "stage 1 (host h)" in failed[0].error
+    finally:
+        core.stop_event.set()
+        thread.join(timeout=10)
+        for s in (router, pull, stats):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_coordinator_publishes_load_and_declares_silent_engines_dead():
+    addresses = DPAddresses.create(None, None, 1)
+    coordinator = DPCoordinator(addresses, dp_size=2, heartbeat_timeout_s=0.5)
+    coordinator.start()
+    ctx = zmq.Context()
+    push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
+    push.connect(addresses.stats)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(addresses.publish)
+    decode = msgspec.msgpack.Decoder(LoadUpdate).decode
+    try:
+        deadline = time.monotonic() + 5
+        update = None
+        while time.monotonic() < deadline:
+            push.send(encode(EngineStats(0, 3, 1)))
+            push.send(encode(EngineStats(1, 0, 2)))
+            if sub.poll(100):
+                update = decode(sub.recv())
+                if update.counts == [[3, 1], [0, 2]]:
+                    break
+        assert update is not None and update.counts == [[3, 1], [0, 2]] and not update.dead
+        deadline = time.monotonic() + 5  # engine 1 falls silent; engine 0 keeps beating
+        while time.monotonic() < deadline and 1 not in update.dead:
+            push.send(encode(EngineStats(0, 0, 0)))
+            if sub.poll(100):
+                update = decode(sub.recv())
+        assert list(update.dead) == [1] and "no heartbeat" in update.dead[1]
+        coordinator.mark_dead(0, "its actor ended")
+        while 0 not in update.dead and sub.poll(2000):
+            update = decode(sub.recv())
+        assert update.dead[0] == "its actor ended"
+    finally:
+        push.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+        coordinator.stop()
+
+
+def test_routing_least_loaded_pinned_and_dead_engines():
+    client = DPClient(DPAddresses.create(None, None, 1), 0, dp_size=3)
+    client.engines = {i: EngineInfo(i, f"n{i}", "h", 100 + i, 64, 100) for i in range(3)}
+    client.counts = [[2, 0], [0, 5], [0, 1]]  # scores 8, 5, 1
+    assert client.choose_engine() == 2
+    assert client.counts[2] == [1, 1]  # counted locally until the coordinator's next update
+    picks = [client.choose_engine() for _ in range(12)]
+    assert picks.count(0) >= 2 and picks.count(1) >= 2 and picks.count(2) >= 2  # balances as load builds up
+    assert client.choose_engine(rank=0) == 0
+    with pytest.raises(RequestFailed, match="out of range") as err:
+        client.choose_engine(rank=3)
+    assert err.value.status == 400
+    client._engine_died(1, "its actor ended")
+    assert "data-parallel engine 1 (host h, node n1, pid 101) died: its actor ended" in client.dead[1]
+    assert 1 not in {client.choose_engine() for _ in range(10)}
+    with pytest.raises(RequestFailed) as err:
+        client.choose_engine(rank=1)
+    assert err.value.status == 503
+    client._engine_died(0, "x")
+    client._engine_died(2, "y")
+    with pytest.raises(RequestFailed, match="no data-parallel engine is alive"):
+        client.choose_engine()
