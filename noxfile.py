@@ -143,6 +143,13 @@ def bench_throughput(session: nox.Session) -> None:
     session.run("pipejax", "bench", "throughput", *session.posargs)
 
 
+@nox.session(default=False)
+def bench_report(session: nox.Session) -> None:
+    """Benchmark: `pipejax bench report` runs every benchmark and writes BENCHMARKS.md (+ plot); --quick halves it."""
+    _install_layer(session, "ray-executor", extras="bench")
+    session.run("pipejax", "bench", "report", "--output", str(ROOT / "BENCHMARKS.md"), *session.posargs)
+
+
 VLLM_VERSION = "0.32.0"
 VLLM_CHECK = """
 import vllm.platforms

@@ -1,0 +1,117 @@
+"""Cold start of ``pipejax generate`` to its first token, broken down.
+
+Each repeat is a fresh process doing what ``pipejax generate`` does with the Ray backend and the
+command's default layout (pp=2 x tp=2 on simulated CPU devices, default KV sizing) on the
+benchmark model: import, start a local Ray cluster, build the engine (placement group, stage
+actors, each stage's JAX start, weights and KV cache), compile the warm-up buckets, then one prompt
+to its first token. The stage actors note when their set-up calls ran (a ``StageActor`` subclass),
+which splits the engine build; every phase is wall-clock time from the process's creation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from pipejax.ray_executor.benchmarks.common import section_main, summary
+
+PHASES = (
+    "python + imports",
+    "Ray start (local cluster)",
+    "placement group + stage actors (processes, imports)",
+    "stage init (`init_worker`: StageWorker, transfer server)",
+    "load (weights + KV cache)",
+    "compile (warm-up buckets)",
+    "first token (one prompt: prefill + sample)",
+)
+
+
+def process_start_time() -> float:
+    """When this process was created (epoch seconds), from /proc (Linux)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22: start time, clock ticks after boot
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def child() -> None:
+    """One cold start; prints a JSON line of phase -> seconds."""
+    born = process_start_time()
+    from pipejax.ray_executor.cli import build_parser, configure_devices
+
+    args = build_parser().parse_args(["generate", "--model", "builtin:bench", "--distributed-executor-backend", "ray",
+                                      "--max-tokens", "1", "Hello, pipejax!"])
+    configure_devices(args)
+    import ray
+
+    import pipejax.ray_executor.executor.ray_executor as ray_executor
+    from pipejax.ray_executor.benchmarks.timed_actor import TimedStageActor
+    from pipejax.ray_executor.cli import _llm
+    from pipejax.ray_executor.executor.ray_placement import device_resource
+    from pipejax.ray_executor.llm import resolve_model
+    from pipejax.ray_executor.platforms import current_platform
+    from pipejax.runner.batch import SamplingParams
+
+    resolve_model(args.model)  # the checkpoint exists already (generated before the timed process)
+    ray_executor.StageActor = TimedStageActor
+    t_imports = time.time()
+    need = args.pipeline_parallel_size * args.tensor_parallel_size
+    # as the engine's connect() does, but always a new local cluster (another may run on this machine)
+    ray.init(address="local", resources={device_resource(current_platform()): need}, include_dashboard=False,
+             log_to_driver=False)
+    t_ray = time.time()
+    llm = _llm(args, warmup=False)
+    marks = ray.get([a.timings.remote() for a in llm.engine.executor.actors])
+    llm.engine.executor.warmup()
+    t_compiled = time.time()
+    out = llm.generate(args.prompts, SamplingParams(temperature=0, max_tokens=1))
+    t_first = time.time()
+    assert len(out[0].outputs[0].token_ids) == 1
+    init_start = min(m["init_worker"][0] for m in marks)
+    init_end = max(m["init_worker"][1] for m in marks)
+    load_end = max(m["load"][1] for m in marks)
+    phases = dict(zip(PHASES, (
+        t_imports - born,
+        t_ray - t_imports,
+        init_start - t_ray,
+        init_end - init_start,
+        load_end - init_end,  # with the connect and KV sizing calls before the load (small)
+        t_compiled - load_end,  # with the engine's own set-up after the load (small)
+        t_first - t_compiled,
+    ), strict=True))
+    kv_blocks = llm.engine.executor.num_kv_blocks
+    llm.shutdown()
+    print(json.dumps({"phases": phases, "total": t_first - born, "kv_blocks": kv_blocks}), flush=True)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pipejax.ray_executor.benchmarks.common import bench_model
+
+    bench_model()  # generate the checkpoint outside the timed processes
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
+    runs = []
+    for _ in range(args.repeats):
+        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--child"], capture_output=True, text=True,
+                              env=env, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cold-start process failed: {proc.stderr[-3000:]}")
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {
+        "layout": "pp=2 tp=2, Ray backend, benchmark model",
+        "phases": {p: summary([r["phases"][p] for r in runs]) for p in PHASES},
+        "total": summary([r["total"] for r in runs]),
+        "kv_blocks": runs[0]["kv_blocks"],
+    }
+
+
+if __name__ == "__main__":
+    if "--child" in sys.argv:
+        child()
+    else:
+        section_main(run, __doc__)

@@ -1,0 +1,171 @@
+"""Decode-step time of the runner on the benchmark model, next to this machine's floor.
+
+floor = max(FLOPs / measured matmul rate, weight bytes / measured memory bandwidth), the rates
+measured by JAX in the same repeat as the steps (so both see the same load). One decode step:
+``StageRunner.execute`` of ``batch`` requests with 128 tokens already cached (sampling at
+temperature 1 included, until the tokens are on the host), pp=1 tp=1 on one CPU device.
+
+At the headline batch the step is split into its parts (host inputs, the jitted forward,
+sampling) and set next to the same model's dense matmuls alone (every weight matrix once,
+same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
+the paged KV gather. The KV bytes the attention reads are reported next to the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from typing import Any
+
+from pipejax.ray_executor.benchmarks.common import bench_model, machine_rates, section_main, summary, timed
+
+CONTEXT = 128
+HEADLINE_BATCH = 64
+GOAL = 1.5
+
+
+def step_cost(cfg, batch: int, context: int = CONTEXT) -> tuple[float, float]:
+    """(FLOPs, weight bytes read) of one whole-model decode step at ``batch`` (decode_bench's formula)."""
+    E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.vocab_size, cfg.num_layers)
+    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
+    matmul_params = L * per_layer + E * V  # + LM head; the embedding is a lookup
+    attention = L * 4 * batch * H * D * context
+    bytes_read = 4 * (matmul_params + L * 2 * E + E) + 4 * batch * E
+    return 2 * batch * matmul_params + attention, bytes_read
+
+
+def kv_bytes(cfg, batch: int, slots: int) -> int:
+    """K and V bytes of ``slots`` context positions for ``batch`` rows, all layers (fp32)."""
+    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+class DecodeBench:
+    def __init__(self, path: str, batches: list[int]):
+        import jax
+
+        from pipejax.pp_utils import stage_mesh
+        from pipejax.runner.config import CacheConfig, StageConfig
+        from pipejax.runner.runner import StageRunner
+
+        self.block = 16
+        self.per_request = math.ceil((CONTEXT + 64) / self.block)
+        cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request,
+                            max_model_len=256, max_num_seqs=max(batches), max_num_batched_tokens=max(batches))
+        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache)
+        self.cfg = self.runner.cfg
+        self._ids = iter(range(10**9))
+
+    def batch(self, size: int):
+        from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
+
+        sampling = SamplingParams(temperature=1.0)
+        tables = [tuple(range(1 + i * self.per_request, 1 + (i + 1) * self.per_request)) for i in range(size)]
+        reqs = tuple(ScheduledRequest(f"r{i}", (7 + i,), CONTEXT, tables[i], sampling) for i in range(size))
+        return ModelBatch(next(self._ids), reqs)
+
+    def step(self, size: int) -> None:
+        self.runner.execute(self.batch(size))
+
+    def parts(self, size: int, repeats: int) -> dict[str, Any]:
+        """Median ms of the step's parts at ``size``: host inputs, jitted forward, sampling (runner internals)."""
+        import jax
+
+        from pipejax.runner.inputs import build_step_inputs
+        from pipejax.runner.model import StepInputs
+
+        r = self.runner
+        times: dict[str, list[float]] = {"inputs": [], "forward": [], "sample": []}
+        for _ in range(repeats + 1):
+            batch = self.batch(size)
+            t0 = time.perf_counter()
+            shape = r.step_shape(batch)
+            host = build_step_inputs(batch, shape, r.block_size)
+            inputs = StepInputs(*(jax.device_put(a, r._replicated) for a in host))
+            jax.block_until_ready(inputs)
+            t1 = time.perf_counter()
+            logits, r.kv_cache = r._step(r.params, r.kv_cache, inputs, None, max_query_len=shape[2])
+            logits.block_until_ready()
+            t2 = time.perf_counter()
+            r._sample(batch, logits, shape[1])
+            t3 = time.perf_counter()
+            for v, t in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                v.append(t)
+        return {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()} | {"shape": list(shape)}
+
+
+def dense_matmuls(cfg, batch: int, repeats: int) -> float:
+    """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.vocab_size, cfg.num_layers)
+    shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
+    key = jax.random.key(0)
+    layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(L)]
+    head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
+
+    @jax.jit
+    def run(x, layers, head):
+        for q, k, v, o, g, u, d in layers:
+            a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
+            x = x + a @ o
+            x = x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+        return x @ head
+
+    x = jnp.ones((batch, E), jnp.float32)
+    return statistics.median(timed(lambda: run(x, layers, head).block_until_ready(), repeats))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    batches = [HEADLINE_BATCH] if args.quick else [1, 16, HEADLINE_BATCH]
+    steps = 5 if args.quick else 10
+    bench = DecodeBench(bench_model(), batches)
+    cfg = bench.cfg
+    for b in batches:
+        bench.step(b)  # compile
+    per_repeat: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
+    rates_all = []
+    for _ in range(args.repeats):
+        rates = machine_rates(3)
+        rates_all.append(rates)
+        for b in batches:
+            step_s = statistics.median(timed(lambda b=b: bench.step(b), steps))
+            flops, weights = step_cost(cfg, b)
+            compute, memory = flops / rates["flops"], weights / rates["bandwidth"]
+            per_repeat[b].append({"step_ms": step_s * 1e3, "floor_ms": max(compute, memory) * 1e3,
+                                  "compute_ms": compute * 1e3, "memory_ms": memory * 1e3})
+    decode = {}
+    for b, reps in per_repeat.items():
+        decode[b] = {k: summary([r[k] for r in reps]) for k in reps[0]}
+        decode[b]["ratio"] = summary([r["step_ms"] / r["floor_ms"] for r in reps])
+        decode[b]["bound"] = "compute" if decode[b]["compute_ms"]["median"] >= decode[b]["memory_ms"]["median"] \
+            else "memory"
+    b = HEADLINE_BATCH
+    try:  # runner internals: a refactor may move them; the rest of the section does not need them
+        parts = bench.parts(b, steps)
+    except (AttributeError, TypeError) as exc:
+        parts = {"error": f"{type(exc).__name__}: {exc}", "shape": list(bench.runner.step_shape(bench.batch(b)))}
+    dense_ms = dense_matmuls(cfg, b, steps) * 1e3
+    slots = parts["shape"][3] * bench.block
+    result = {
+        "context": CONTEXT,
+        "matmul_gflops": summary([r["flops"] / 1e9 for r in rates_all]),
+        "memory_gbps": summary([r["bandwidth"] / 1e9 for r in rates_all]),
+        "decode": decode,
+        "parts_ms": parts,
+        "dense_matmuls_ms": dense_ms,
+        "weight_bytes": step_cost(cfg, b)[1],
+        "matmul_params": (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2,
+        "kv_bytes_needed": kv_bytes(cfg, b, CONTEXT + 1),
+        "kv_bytes_gathered": kv_bytes(cfg, b, slots),
+        "kv_slots_gathered": slots,
+    }
+    return result
+
+
+if __name__ == "__main__":
+    section_main(run, __doc__)

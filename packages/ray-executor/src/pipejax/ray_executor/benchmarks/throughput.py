@@ -1,0 +1,233 @@
+"""Offline output tokens/s of pipejax next to transformers' batched ``generate`` on the same checkpoint.
+
+``c`` concurrent requests x 128 prompt tokens x 64 output tokens (random ids, ignore_eos, sampling at
+temperature 1 on both sides), for c in 1, 4, 16, 64; c = 64 is the headline figure. pipejax runs
+pp=1 tp=1 in-process (one engine for every c, compiled by an untimed run of each c); transformers
+runs one ``generate`` over all c prompts (fp32, CPU, its default threads). The two alternate run by
+run, so both see the same machine load; the ratio is taken per repeat. The headline run's step
+trace splits pipejax's time into prefill steps, decode steps and the engine around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from pipejax.ray_executor.benchmarks.common import (
+    INPUT_LEN,
+    NUM_PROMPTS,
+    OUTPUT_LEN,
+    CpuMeter,
+    bench_model,
+    engine_kwargs,
+    machine_rates,
+    prompts,
+    section_main,
+    summary,
+)
+
+
+class BatchRecorder:
+    """Wraps an executor's ``execute_model`` to note each batch's composition (benchmark-side only)."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self.batches: dict[int, dict[str, Any]] = {}
+        self._inner = executor.execute_model
+        executor.execute_model = self
+        workers = getattr(executor, "workers", None)  # in-process: the padded shape each batch runs at
+        self._runner = workers[-1].runner if workers else None
+
+    def __call__(self, batch):
+        ctx = 0
+        for r in batch.requests:  # sum over the step's tokens of the positions they attend to
+            n, s = len(r.token_ids), r.start_position
+            ctx += n * s + n * (n + 1) // 2
+        self.batches[batch.step_id] = {
+            "tokens": batch.num_tokens,
+            "rows": len(batch.requests),
+            "sampled": sum(1 for r in batch.requests if r.sample),
+            "prefill": any(len(r.token_ids) > 1 for r in batch.requests),
+            "attended": ctx,
+            "shape": list(self._runner.step_shape(batch)) if self._runner else None,
+        }
+        return self._inner(batch)
+
+
+def _dims(cfg):
+    E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.vocab_size, cfg.num_layers)
+    return E, F, H, K, D, V, L, E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
+
+
+def step_flops(cfg, tokens: int, attended: int, sampled: int) -> float:
+    """Useful FLOPs of a whole-model step: every layer weight once per token, the LM head once per
+    sampled row, attention once per (token, position it attends to)."""
+    E, F, H, K, D, V, L, per_layer = _dims(cfg)
+    return 2.0 * tokens * L * per_layer + 2.0 * E * V * sampled + 4.0 * L * H * D * attended
+
+
+def executed_flops(cfg, shape: list[int], block_size: int) -> tuple[float, float]:
+    """(all, attention) FLOPs the padded step runs: T tokens through the layers, the LM head on R rows,
+    attention of R rows x Q query slots against C = B x block_size context slots."""
+    T, R, Q, B = shape
+    E, F, H, K, D, V, L, per_layer = _dims(cfg)
+    attention = 4.0 * L * H * D * R * Q * B * block_size
+    return 2.0 * T * L * per_layer + 2.0 * E * V * R + attention, attention
+
+
+def pipejax_run(llm, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
+    from pipejax.runner.batch import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+class HFReference:
+    """transformers' ``AutoModelForCausalLM.generate`` on the same checkpoint, fp32 on the CPU."""
+
+    def __init__(self, path: str):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.threads = torch.get_num_threads()
+
+    def run(self, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
+        torch = self.torch
+        ids = torch.tensor(batch_prompts)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+            )
+        elapsed = time.perf_counter() - start
+        assert out.shape == (len(batch_prompts), len(batch_prompts[0]) + output_len)
+        return elapsed
+
+
+def torch_matmul_rate(repeats: int = 5) -> float:
+    """FLOP/s of a 2048^3 fp32 matmul in torch (transformers' kernels), next to JAX's."""
+    import statistics
+
+    import torch
+
+    from pipejax.ray_executor.benchmarks.common import timed
+
+    a = torch.ones(2048, 2048)
+    return 2 * 2048**3 / statistics.median(timed(lambda: a @ a, repeats))
+
+
+def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates: dict[str, float]) -> dict[str, Any]:
+    """Where a run's wall time went, from the stage step trace of its ``batches``: prefill steps (with
+    the FLOP rate they reached, next to the measured matmul rate), decode steps, and the engine around them."""
+    from pipejax.runner.inputs import pick
+
+    cfg = llm.engine.model_config
+    buckets = llm.engine.executor.workers[0].runner.buckets
+    block_size = llm.engine.executor.workers[0].runner.block_size
+    trace = [(s, end - start) for _, s, start, end in llm.engine.executor.step_trace() if s in batches]
+    out: dict[str, Any] = {"wall_s": wall, "matmul_gflops": rates["flops"] / 1e9,
+                           "torch_matmul_gflops": rates.get("torch_flops", float("nan")) / 1e9}
+    for kind in ("prefill", "decode"):
+        steps = [(batches[s], t) for s, t in trace if batches[s]["prefill"] == (kind == "prefill")]
+        seconds = sum(t for _, t in steps)
+        flops = sum(step_flops(cfg, b["tokens"], b["attended"], b["sampled"]) for b, _ in steps)
+        E, F, H, K, D, V, L, _ = _dims(cfg)
+        executed = [executed_flops(cfg, b["shape"], block_size) for b, _ in steps if b.get("shape")]
+        out[kind] = {
+            "steps": len(steps),
+            "seconds": seconds,
+            "tokens": sum(b["tokens"] for b, _ in steps),
+            "padded_tokens": sum(pick(buckets.tokens, b["tokens"], "tokens") for b, _ in steps),
+            "flops": flops,
+            "attention_flops": sum(4.0 * L * H * D * b["attended"] for b, _ in steps),
+            "executed_flops": sum(x for x, _ in executed) if executed else None,
+            "executed_attention_flops": sum(a for _, a in executed) if executed else None,
+            # fp32 attention scores the dense [rows, heads, query, context] block materialises, all layers
+            "score_bytes": sum(4 * L * H * b["shape"][1] * b["shape"][2] * b["shape"][3] * block_size
+                               for b, _ in steps if b.get("shape")),
+            "gflops_per_s": flops / seconds / 1e9 if seconds else 0.0,
+            "median_step_ms": summary([t * 1e3 for _, t in steps])["median"],
+        }
+    out["engine_s"] = wall - out["prefill"]["seconds"] - out["decode"]["seconds"]
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pipejax.ray_executor.llm import LLM
+
+    levels = (1, 16, NUM_PROMPTS) if args.quick else (1, 4, 16, NUM_PROMPTS)
+    path = bench_model()
+    start = time.perf_counter()
+    llm = LLM(path, warmup=False, **engine_kwargs())
+    build_s = time.perf_counter() - start
+    recorder = BatchRecorder(llm.engine.executor)
+    all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
+    hf = HFReference(path)
+    start = time.perf_counter()
+    for c in levels:  # compile every shape each concurrency meets (8 output tokens meet the same shapes as 64:
+        pipejax_run(llm, all_prompts[:c], 8)  # the context stays in one block bucket); transformers' warms up too
+    hf.run(all_prompts[:2], 4)
+    warm_s = time.perf_counter() - start
+
+    compiled_before = len(llm.engine.executor.workers[0].runner.compiled_shapes)
+    pj: dict[int, list[float]] = {c: [] for c in levels}
+    ref: dict[int, list[float]] = {c: [] for c in levels}
+    cores: dict[str, list[dict[str, float]]] = {"pj": [], "hf": []}  # at the headline concurrency
+    breakdown, breakdown_low, rates = None, None, None
+    for r in range(args.repeats):
+        for c in sorted(levels, reverse=True):
+            first_pj = (r + c) % 2 == 0  # alternate who goes first
+            for who in ("pj", "hf") if first_pj else ("hf", "pj"):
+                meter = CpuMeter().start()
+                if who == "pj":
+                    n_before = len(llm.engine.executor.step_trace())
+                    t = pipejax_run(llm, all_prompts[:c])
+                    pj[c].append(c * OUTPUT_LEN / t)
+                    if c in (NUM_PROMPTS, levels[0]) and r == args.repeats - 1:
+                        if rates is None:
+                            rates = machine_rates()
+                            rates["torch_flops"] = torch_matmul_rate()
+                        recent = {s for _, s, _, _ in llm.engine.executor.step_trace()[n_before:]}
+                        batches = {s: b for s, b in recorder.batches.items() if s in recent}
+                        if c == NUM_PROMPTS:
+                            breakdown = trace_breakdown(llm, batches, t, rates)
+                        else:
+                            breakdown_low = trace_breakdown(llm, batches, t, rates)
+                else:
+                    ref[c].append(c * OUTPUT_LEN / hf.run(all_prompts[:c]))
+                if c == NUM_PROMPTS:
+                    cores[who].append(meter.stop())
+    result: dict[str, Any] = {
+        "workload": {"requests": NUM_PROMPTS, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN},
+        "levels": list(levels),
+        "pipejax_tps": {c: summary(v) for c, v in pj.items()},
+        "hf_tps": {c: summary(v) for c, v in ref.items()},
+        "ratio": {c: summary([a / b for a, b in zip(pj[c], ref[c], strict=True)]) for c in levels},
+        "engine": {**engine_kwargs(), "layout": "pp=1 tp=1 (in-process)", "build_s": build_s, "warm_runs_s": warm_s},
+        "hf_threads": hf.threads,
+        "cores_busy": {"pipejax": summary([c["cores"] for c in cores["pj"]]),
+                       "transformers": summary([c["cores"] for c in cores["hf"]])},
+        "machine_busy": {"pipejax": summary([c["machine_busy"] for c in cores["pj"]]),
+                         "transformers": summary([c["machine_busy"] for c in cores["hf"]])},
+        "breakdown": breakdown,
+        "breakdown_low": breakdown_low,  # at the lowest concurrency
+        "smallest_buckets": {"tokens": llm.engine.executor.workers[0].runner.buckets.tokens[0],
+                             "rows": llm.engine.executor.workers[0].runner.buckets.rows[0]},
+        "shapes_compiled_during_timed_runs": len(llm.engine.executor.workers[0].runner.compiled_shapes)
+        - compiled_before,
+    }
+    llm.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    section_main(run, __doc__)
