@@ -30,7 +30,9 @@ def connect(address: str | None, resource: str, devices_needed: int) -> bool:
         ray.init(address=address, log_to_driver=False)
         return False
     # The embedded default: a local cluster whose one node holds the simulated devices.
-    ray.init(resources={resource: devices_needed}, include_dashboard=False, log_to_driver=False)
+    # address="local" always starts a new cluster: a bare init would attach to any cluster already
+    # running on this machine and then refuse the resources argument.
+    ray.init(address="local", resources={resource: devices_needed}, include_dashboard=False, log_to_driver=False)
     return True
 
 
