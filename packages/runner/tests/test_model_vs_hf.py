@@ -35,3 +35,13 @@ def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk):
     expected = hf_greedy(model, PROMPTS, 32)
     got = greedy_generate(ChainedStages(path, pp, tp, num_blocks=80), PROMPTS, 32, chunk=chunk)
     assert got == expected
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole-prompts", "chunk4"])
+def test_sliding_window_decode_matches_generate(tmp_path, chunk):
+    """Mistral with a window shorter than the prompts and the decode: both attention paths (the
+    prefill rows' dense one and the decode rows' streaming one) must drop the same old positions."""
+    model = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
+    expected = hf_greedy(model, PROMPTS, 24)
+    got = greedy_generate(ChainedStages(tmp_path, 1, 1, num_blocks=80), PROMPTS, 24, chunk=chunk)
+    assert got == expected

@@ -89,7 +89,7 @@ def test_tp_step_communicates_like_megatron(llama):
     batch = prefill_batch(PROMPTS)
     shape = runner.step_shape(batch)
     inputs = StepInputs(*(jax.device_put(a, runner._replicated) for a in build_step_inputs(batch, shape, 8)))
-    lowered = runner._step.lower(runner.params, runner.kv_cache, inputs, None, max_query_len=shape[2])
+    lowered = runner._step.lower(runner.params, runner.kv_cache, inputs, None, shape=shape)
     hlo = lowered.compile().as_text()
     collectives = re.findall(r"= \S+?\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all)\(", hlo)
     assert sum(kind == "all-reduce" for _, kind in collectives) == 2 * cfg.num_layers + 1

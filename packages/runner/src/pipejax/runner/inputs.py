@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from pipejax.runner.batch import ModelBatch
-from pipejax.runner.model import StepInputs
+from pipejax.runner.model import StepInputs, StepShape
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -36,11 +36,13 @@ def pick(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Padding sizes for tokens (T), rows (R), query length (Q) and blocks per row (B)."""
+    """Padding sizes for tokens (T), prefill rows (P), prefill query length (Q), decode rows (Rd)
+    and blocks per row (B)."""
 
     tokens: tuple[int, ...]
-    rows: tuple[int, ...]
+    prefill_rows: tuple[int, ...]
     query: tuple[int, ...]
+    rows: tuple[int, ...]  # decode rows
     blocks: tuple[int, ...]
 
     @classmethod
@@ -49,41 +51,47 @@ class Buckets:
         max_blocks = math.ceil(max_model_len / block_size)
         return cls(
             tokens=_powers_of_two(min(16, max_tokens), max_tokens),
-            rows=_powers_of_two(min(8, max_num_seqs), max_num_seqs),
+            prefill_rows=_powers_of_two(1, max_num_seqs),
             query=_powers_of_two(1, max_tokens),
+            rows=_powers_of_two(min(8, max_num_seqs), max_num_seqs),
             blocks=_powers_of_two_and_halves(min(max(1, 64 // block_size), max_blocks), max_blocks),
         )
 
-    def shape_of(self, batch: ModelBatch, block_size: int) -> tuple[int, int, int, int]:
-        """(T, R, Q, B) for ``batch``."""
+    def shape_of(self, batch: ModelBatch, block_size: int) -> StepShape:
         reqs = batch.requests
         T = pick(self.tokens, batch.num_tokens, "tokens in the step")
-        R = pick(self.rows, len(reqs), "requests in the step")
-        Q = pick(self.query, max(len(r.token_ids) for r in reqs), "query tokens of one request")
-        Q = min(Q, T)
+        prefill = [len(r.token_ids) for r in reqs if len(r.token_ids) > 1]
+        num_decode = len(reqs) - len(prefill)
+        P = pick(self.prefill_rows, len(prefill), "prefill requests in the step") if prefill else 0
+        Q = min(pick(self.query, max(prefill), "query tokens of one request"), T) if prefill else 1
+        Rd = pick(self.rows, num_decode, "decode requests in the step") if num_decode else 0
         needed = max(math.ceil(r.end_position / block_size) for r in reqs)
         B = pick(self.blocks, needed, "KV blocks of one request")
-        return T, R, Q, B
+        return StepShape(T, P, Q, Rd, B)
 
     def count(self) -> int:
-        return len(self.tokens) * len(self.rows) * len(self.query) * len(self.blocks)
+        """An upper bound on the distinct step shapes."""
+        groups = (len(self.prefill_rows) + 1) * len(self.query) * (len(self.rows) + 1)
+        return len(self.tokens) * groups * len(self.blocks)
 
 
-def build_step_inputs(batch: ModelBatch, shape: tuple[int, int, int, int], block_size: int) -> StepInputs:
-    """Host (numpy) arrays for the padded step; padding tokens write to the reserved block 0."""
-    T, R, Q, B = shape
+def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> StepInputs:
+    """Host (numpy) arrays for the padded step; padding tokens write to the reserved block 0.
+
+    Requests keep their order in the token stream and in ``sample_index``; their attention rows are
+    grouped: prefill requests (more than one query token) in rows [0, P), decode requests after P."""
+    T, P, Q, _, B = shape
+    R = shape.rows
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.zeros(T, np.int32)
-    token_row = np.zeros(T, np.int32)
-    token_col = np.zeros(T, np.int32)
+    token_out = np.zeros(T, np.int32)
     row_query_start = np.zeros(R, np.int32)
-    row_query_len = np.zeros(R, np.int32)
     row_start_pos = np.zeros(R, np.int32)
     block_tables = np.zeros((R, B), np.int32)
     sample_index = np.zeros(R, np.int32)
-    t = 0
-    for row, req in enumerate(batch.requests):
+    t, next_prefill, next_decode = 0, 0, P
+    for i, req in enumerate(batch.requests):
         n = len(req.token_ids)
         if n == 0:
             raise ValueError(f"request {req.request_id!r} has no tokens to compute in step {batch.step_id}")
@@ -93,28 +101,22 @@ def build_step_inputs(batch: ModelBatch, shape: tuple[int, int, int, int], block
                 f"request {req.request_id!r} reaches position {req.end_position} but its block table holds "
                 f"{len(req.block_table)} blocks of {block_size}; the scheduler must allocate {needed}"
             )
+        if n > 1:
+            row, next_prefill = next_prefill, next_prefill + 1
+            token_out[t : t + n] = row * Q + np.arange(n)
+        else:
+            row, next_decode = next_decode, next_decode + 1
+            token_out[t] = P * Q + row - P
         table = np.asarray(req.block_table[:needed], np.int32)
         pos = np.arange(req.start_position, req.end_position, dtype=np.int32)
         token_ids[t : t + n] = req.token_ids
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        token_row[t : t + n] = row
-        token_col[t : t + n] = np.arange(n)
         row_query_start[row] = t
-        row_query_len[row] = n
         row_start_pos[row] = req.start_position
         block_tables[row, :needed] = table
-        sample_index[row] = t + n - 1
+        sample_index[i] = t + n - 1
         t += n
     return StepInputs(
-        token_ids,
-        positions,
-        slot_mapping,
-        token_row,
-        token_col,
-        row_query_start,
-        row_query_len,
-        row_start_pos,
-        block_tables,
-        sample_index,
+        token_ids, positions, slot_mapping, token_out, row_query_start, row_start_pos, block_tables, sample_index
     )

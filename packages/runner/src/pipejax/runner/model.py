@@ -1,8 +1,8 @@
 """One pipeline stage of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read top to bottom:
 sharding rules -> parameter specs -> building blocks -> paged attention -> stage forward.
 
-Shapes: T tokens of one ragged step (padded), R request rows (padded), Q the longest query of a
-row (padded), C = blocks per row x block size (context slots), E hidden, H query heads,
+Shapes: T tokens of one ragged step (padded), R request rows (padded: P prefill rows, then Rd
+decode rows), Q the longest prefill query (padded), C = blocks per row x block size (context slots), E hidden, H query heads,
 K KV heads (after replication for TP), G = H / K, D head dim, F MLP width, V vocab, L stage layers.
 """
 
@@ -94,19 +94,38 @@ def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int
     return ParamSpec(shape, (None, None, None, "kv_heads", None))
 
 
+class StepShape(NamedTuple):
+    """The padded shape of one step (static: each distinct value compiles once).
+
+    Attention rows come in two groups: ``prefill_rows`` rows whose query is padded to ``query``
+    tokens (dense attention), then ``decode_rows`` rows of exactly one query token (attention that
+    streams the paged K/V once). A decode row in a mixed step is not padded to the longest chunk.
+    """
+
+    tokens: int  # T
+    prefill_rows: int  # P (0: no prefill rows)
+    query: int  # Q: the longest prefill query (1 when P == 0)
+    decode_rows: int  # Rd (0: no decode rows)
+    blocks: int  # B: block-table columns per row
+
+    @property
+    def rows(self) -> int:
+        """Attention rows, and the rows the LM head and the sampler run on (P + Rd)."""
+        return self.prefill_rows + self.decode_rows
+
+
 class StepInputs(NamedTuple):
-    """Device arrays describing one padded ragged step (built by ``inputs.py``)."""
+    """Device arrays describing one padded ragged step (built by ``inputs.py``). Rows [0, P) are the
+    prefill group, rows [P, P + Rd) the decode group; ``sample_index`` is in the batch's request order."""
 
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
     slot_mapping: jax.Array  # [T] int32: cache slot each token's K/V is written to (padding -> slot 0)
-    token_row: jax.Array  # [T] int32: row of each token
-    token_col: jax.Array  # [T] int32: index of the token within its row's query
-    row_query_start: jax.Array  # [R] int32: flat index of the row's first token
-    row_query_len: jax.Array  # [R] int32 (0 for padding rows)
-    row_start_pos: jax.Array  # [R] int32: position of the row's first token this step
-    block_tables: jax.Array  # [R, B] int32 (padding -> block 0)
-    sample_index: jax.Array  # [R] int32: flat index of the row's last token (logits are taken there)
+    token_out: jax.Array  # [T] int32: the token's index in the attention output [P * Q + Rd]
+    row_query_start: jax.Array  # [P + Rd] int32: flat index of the row's first token
+    row_start_pos: jax.Array  # [P + Rd] int32: position of the row's first token this step
+    block_tables: jax.Array  # [P + Rd, B] int32 (padding -> block 0)
+    sample_index: jax.Array  # [P + Rd] int32: flat index of request i's last token (logits are taken there)
 
 
 # --- building blocks ---------------------------------------------------------------------------
@@ -156,38 +175,79 @@ def mlp(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 # --- paged attention over one ragged batch ----------------------------------------------------
 
 
+def _visible(ctx: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    """Causal (and sliding-window) mask of context slots ``ctx`` for query positions ``q_pos`` (broadcast)."""
+    visible = ctx <= q_pos
+    if sliding_window is not None:
+        visible &= ctx > q_pos - sliding_window
+    return visible
+
+
+def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables, query_len, sliding_window):
+    """Rows of up to ``query_len`` tokens: gather each row's context [R, C, K, D], dense scores.
+    q [T, H, D], k_layer/v_layer [N, block_size, K, D]. Returns [R, Q, H, D]."""
+    T, H, D = q.shape
+    _, block_size, K, _ = k_layer.shape
+    R, B = block_tables.shape
+    C = B * block_size
+    cols = jnp.arange(query_len)
+    q_rows = q[jnp.clip(query_start[:, None] + cols[None, :], 0, T - 1)].reshape(R, query_len, K, H // K, D)
+    keys = k_layer[block_tables].reshape(R, C, K, D)
+    values = v_layer[block_tables].reshape(R, C, K, D)
+    scores = jnp.einsum("rqkgd,rckd->rkgqc", q_rows, keys, preferred_element_type=jnp.float32) * (D**-0.5)
+    q_pos = start_pos[:, None] + cols[None, :]  # [R, Q]
+    visible = _visible(jnp.arange(C)[None, None, :], q_pos[:, :, None], sliding_window)  # [R, Q, C]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)  # [R, K, G, Q, C]
+    return jnp.einsum("rkgqc,rckd->rqkgd", probs, values).reshape(R, query_len, H, D)
+
+
+def decode_attention(q, k_layer, v_layer, query_start, start_pos, block_tables, sliding_window):
+    """Rows of one token. Scores are a multiply-reduce over the block-table gather, which XLA fuses,
+    so each row's K/V is streamed once instead of being copied into a contiguous [R, C, K, D] first
+    (the step is bound by reading K/V, not by FLOPs). Returns [R, H, D]."""
+    _, H, D = q.shape
+    _, block_size, K, _ = k_layer.shape
+    R, B = block_tables.shape
+    f32 = jnp.float32
+    q_rows = q[query_start].reshape(R, 1, 1, K, H // K, D).astype(f32) * (D**-0.5)
+    keys = k_layer[block_tables][:, :, :, :, None, :]  # [R, B, block_size, K, 1, D]
+    scores = jnp.sum(q_rows * keys.astype(f32), axis=-1)  # [R, B, block_size, K, G]
+    ctx = jnp.arange(B * block_size).reshape(1, B, block_size, 1, 1)
+    scores = jnp.where(_visible(ctx, start_pos[:, None, None, None, None], sliding_window), scores, -jnp.inf)
+    scores = scores - jnp.max(scores, axis=(1, 2), keepdims=True)
+    probs = jnp.exp(scores)
+    probs = probs / jnp.sum(probs, axis=(1, 2), keepdims=True)
+    values = v_layer[block_tables][:, :, :, :, None, :]
+    out = jnp.sum(probs[..., None] * values.astype(f32), axis=(1, 2))  # [R, K, G, D]
+    return out.astype(q.dtype).reshape(R, H, D)
+
+
 def paged_attention(
     q: jax.Array,  # [T, H, D]
     k_cache: jax.Array,  # [L, N, block_size, K, D], already holding this step's keys
     v_cache: jax.Array,  # [L, N, block_size, K, D]
     layer: jax.Array,  # scalar index into L
     inp: StepInputs,
-    max_query_len: int,
-    block_size: int,
+    shape: StepShape,
     sliding_window: int | None,
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D]."""
     T, H, D = q.shape
-    K = k_cache.shape[3]
-    R, B = inp.block_tables.shape
-    C = B * block_size
-    # Gather each row's queries: [R, Q, H, D].
-    cols = jnp.arange(max_query_len)
-    q_index = jnp.clip(inp.row_query_start[:, None] + cols[None, :], 0, T - 1)  # [R, Q]
-    q_rows = q[q_index].reshape(R, max_query_len, K, H // K, D)  # [R, Q, K, G, D]
-    # Gather each row's context from its block table: [R, C, K, D].
-    ctx = jnp.arange(C)
-    keys = k_cache[layer, inp.block_tables].reshape(R, C, K, D)  # [R, B, block_size, K, D] -> [R, C, K, D]
-    values = v_cache[layer, inp.block_tables].reshape(R, C, K, D)
-    scores = jnp.einsum("rqkgd,rckd->rkgqc", q_rows, keys).astype(jnp.float32) * (D**-0.5)
-    q_pos = inp.row_start_pos[:, None] + cols[None, :]  # [R, Q]
-    visible = ctx[None, None, :] <= q_pos[:, :, None]  # [R, Q, C] causal (context < start is cached)
-    if sliding_window is not None:
-        visible &= ctx[None, None, :] > q_pos[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)  # [R, K, G, Q, C]
-    out = jnp.einsum("rkgqc,rckd->rqkgd", probs, values).reshape(R, max_query_len, H, D)
-    return out[inp.token_row, jnp.clip(inp.token_col, 0, max_query_len - 1)]  # [T, H, D]
+    P = shape.prefill_rows
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    parts = []
+    if P:
+        rows = slice(0, P)
+        out = prefill_attention(q, k_layer, v_layer, inp.row_query_start[rows], inp.row_start_pos[rows],
+                                inp.block_tables[rows], shape.query, sliding_window)
+        parts.append(out.reshape(P * shape.query, H, D))
+    if shape.decode_rows:
+        rows = slice(P, P + shape.decode_rows)
+        parts.append(decode_attention(q, k_layer, v_layer, inp.row_query_start[rows], inp.row_start_pos[rows],
+                                      inp.block_tables[rows], sliding_window))
+    out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    return out[inp.token_out]
 
 
 def attention(
@@ -199,7 +259,7 @@ def attention(
     inp: StepInputs,
     cfg: ModelConfig,
     inv_freq: jax.Array,
-    max_query_len: int,
+    shape: StepShape,
     block_size: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = jnp.einsum("te,ehd->thd", x, p["q"])  # [T, H, D]
@@ -213,11 +273,11 @@ def attention(
     block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
-    out = paged_attention(q, k_cache, v_cache, layer, inp, max_query_len, block_size, cfg.sliding_window)
+    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window)
     return jnp.einsum("thd,hde->te", out, p["o"]), k_cache, v_cache
 
 
-def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, max_query_len, block_size):
+def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size):
     h, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
         p,
@@ -227,7 +287,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, max_query_l
         inp,
         cfg,
         inv_freq,
-        max_query_len,
+        shape,
         block_size,
     )
     x = x + h
@@ -246,7 +306,7 @@ def stage_forward(
     *,
     cfg: ModelConfig,
     stage: StageConfig,
-    max_query_len: int,
+    shape: StepShape,
     block_size: int,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache)."""
@@ -260,7 +320,7 @@ def stage_forward(
     def body(carry, layer):
         x, k_all, v_all = carry
         p, idx = layer
-        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, max_query_len, block_size)
+        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size)
         return (x, k_all, v_all), None
 
     k_all, v_all = kv_cache

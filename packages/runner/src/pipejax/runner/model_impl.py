@@ -2,7 +2,7 @@
 entry-point group (e.g. the torchax bridge), so the runner never imports them.
 
 An implementation loads one stage's parameters and provides the stage forward with the native
-signature: ``forward(params, kv_cache, inputs, hidden_in, *, cfg, stage, max_query_len,
+signature: ``forward(params, kv_cache, inputs, hidden_in, *, cfg, stage, shape,
 block_size) -> (hidden [T, E] | logits [R, V], kv_cache)``. The KV cache layout, the batch
 inputs and the sampler stay the runner's, so scheduling, paging and preemption are shared.
 """

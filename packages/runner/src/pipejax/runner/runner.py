@@ -16,7 +16,7 @@ from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, 
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
-from pipejax.runner.model import RULES, StepInputs, kv_cache_spec
+from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import get_model_impl
 from pipejax.runner.sampler import SamplingMetadata, sample, to_sampler_output
 
@@ -69,7 +69,7 @@ class StageRunner:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
             functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
-            static_argnames=("max_query_len",),
+            static_argnames=("shape",),
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),
         )
@@ -91,7 +91,7 @@ class StageRunner:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def step_shape(self, batch: ModelBatch) -> tuple[int, int, int, int]:
+    def step_shape(self, batch: ModelBatch) -> StepShape:
         for r in batch.requests:
             if r.end_position > self.max_model_len:
                 raise ValueError(
@@ -120,13 +120,13 @@ class StageRunner:
         if shape not in self.compiled_shapes:
             self.compiled_shapes.add(shape)
             log.info(
-                "stage %d: compiling step for (tokens, rows, query, blocks)=%s [%d shapes so far, at most %d]",
+                "stage %d: compiling step for %s [%d shapes so far, at most %d]",
                 self.stage.pp_rank,
                 shape,
                 len(self.compiled_shapes),
                 self.buckets.count(),
             )
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inputs, hidden_in, max_query_len=shape[2])
+        out, self.kv_cache = self._step(self.params, self.kv_cache, inputs, hidden_in, shape=shape)
         return out, shape
 
     def execute(
@@ -135,7 +135,7 @@ class StageRunner:
         out, shape = self._forward(batch, intermediate)
         if not self.stage.is_last:
             return IntermediateTensors({"hidden_states": out})
-        return self._sample(batch, out, shape[1])
+        return self._sample(batch, out, shape.rows)
 
     def logits(self, batch: ModelBatch, intermediate: IntermediateTensors | None = None) -> np.ndarray:
         """Last stage only: raw logits [num requests, V] at each request's last token (tests, scoring)."""

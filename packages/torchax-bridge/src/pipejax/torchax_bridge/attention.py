@@ -21,7 +21,7 @@ import torch
 from torchax.interop import jax_view, torch_view
 from transformers import AttentionInterface
 
-from pipejax.runner.model import StepInputs, paged_attention
+from pipejax.runner.model import StepInputs, StepShape, paged_attention
 
 ATTENTION_NAME = "pipejax_paged"
 
@@ -33,12 +33,12 @@ class PagedKV:
         self,
         kv_cache: tuple[jax.Array, jax.Array],  # ([L, N, block_size, K, D], same)
         inputs: StepInputs,
-        max_query_len: int,
+        shape: StepShape,
         block_size: int,
     ):
         self.k_cache, self.v_cache = kv_cache
         self.inputs = inputs
-        self.max_query_len = max_query_len
+        self.shape = shape
         self.block_size = block_size
 
     @property
@@ -71,8 +71,7 @@ class PagedKV:
             self.v_cache,
             layer,
             self.inputs,
-            self.max_query_len,
-            self.block_size,
+            self.shape,
             sliding_window,
         )
 

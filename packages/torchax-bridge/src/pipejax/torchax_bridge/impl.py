@@ -27,7 +27,7 @@ from transformers import AutoConfig
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.checkpoint import SafetensorsIndex
 from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.model import RULES, StepInputs
+from pipejax.runner.model import RULES, StepInputs, StepShape
 from pipejax.runner.model_impl import ModelImpl
 from pipejax.torchax_bridge.attention import PagedKV
 from pipejax.torchax_bridge.stage_model import build_stage_module, stage_hf_config, stage_param_specs
@@ -90,7 +90,7 @@ def stage_forward(
     *,
     cfg: ModelConfig,
     stage: StageConfig,
-    max_query_len: int,
+    shape: StepShape,
     block_size: int,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's transformers module on JAX values (traced under the runner's jit).
@@ -98,7 +98,7 @@ def stage_forward(
     Returns (hidden [T, E] on non-last stages | logits [R, V] f32 on the last, updated cache). The
     ragged step is one batch row of T tokens; paging keeps the requests apart in attention.
     """
-    paged = PagedKV(kv_cache, inp, max_query_len, block_size)
+    paged = PagedKV(kv_cache, inp, shape, block_size)
     kwargs = {"position_ids": inp.positions[None], "use_cache": False, "paged_kv": paged}  # [1, T]
     if stage.is_first:
         kwargs["input_ids"] = inp.token_ids[None]  # [1, T]

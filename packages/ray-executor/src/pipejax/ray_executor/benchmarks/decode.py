@@ -86,10 +86,10 @@ class DecodeBench:
             inputs = StepInputs(*(jax.device_put(a, r._replicated) for a in host))
             jax.block_until_ready(inputs)
             t1 = time.perf_counter()
-            logits, r.kv_cache = r._step(r.params, r.kv_cache, inputs, None, max_query_len=shape[2])
+            logits, r.kv_cache = r._step(r.params, r.kv_cache, inputs, None, shape=shape)
             logits.block_until_ready()
             t2 = time.perf_counter()
-            r._sample(batch, logits, shape[1])
+            r._sample(batch, logits, shape.rows)
             t3 = time.perf_counter()
             for v, t in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 v.append(t)
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except (AttributeError, TypeError) as exc:
         parts = {"error": f"{type(exc).__name__}: {exc}", "shape": list(bench.runner.step_shape(bench.batch(b)))}
     dense_ms = dense_matmuls(cfg, b, steps) * 1e3
-    slots = parts["shape"][3] * bench.block
+    slots = parts["shape"][4] * bench.block
     result = {
         "context": CONTEXT,
         "matmul_gflops": summary([r["flops"] / 1e9 for r in rates_all]),

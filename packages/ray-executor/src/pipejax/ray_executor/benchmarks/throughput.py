@@ -69,12 +69,13 @@ def step_flops(cfg, tokens: int, attended: int, sampled: int) -> float:
 
 
 def executed_flops(cfg, shape: list[int], block_size: int) -> tuple[float, float]:
-    """(all, attention) FLOPs the padded step runs: T tokens through the layers, the LM head on R rows,
-    attention of R rows x Q query slots against C = B x block_size context slots."""
-    T, R, Q, B = shape
+    """(all, attention) FLOPs the padded step runs: T tokens through the layers, the LM head on the
+    P + Rd rows, attention of P prefill rows x Q query slots and Rd decode rows x 1 against
+    C = B x block_size context slots."""
+    T, P, Q, Rd, B = shape
     E, F, H, K, D, V, L, per_layer = _dims(cfg)
-    attention = 4.0 * L * H * D * R * Q * B * block_size
-    return 2.0 * T * L * per_layer + 2.0 * E * V * R + attention, attention
+    attention = 4.0 * L * H * D * (P * Q + Rd) * B * block_size
+    return 2.0 * T * L * per_layer + 2.0 * E * V * (P + Rd) + attention, attention
 
 
 def pipejax_run(llm, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
@@ -151,8 +152,8 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
             "attention_flops": sum(4.0 * L * H * D * b["attended"] for b, _ in steps),
             "executed_flops": sum(x for x, _ in executed) if executed else None,
             "executed_attention_flops": sum(a for _, a in executed) if executed else None,
-            # fp32 attention scores the dense [rows, heads, query, context] block materialises, all layers
-            "score_bytes": sum(4 * L * H * b["shape"][1] * b["shape"][2] * b["shape"][3] * block_size
+            # fp32 attention scores of the [rows, heads, query, context] blocks, all layers
+            "score_bytes": sum(4 * L * H * (b["shape"][1] * b["shape"][2] + b["shape"][3]) * b["shape"][4] * block_size
                                for b, _ in steps if b.get("shape")),
             "gflops_per_s": flops / seconds / 1e9 if seconds else 0.0,
             "median_step_ms": summary([t * 1e3 for _, t in steps])["median"],
