@@ -2,8 +2,9 @@
 sharding rules -> parameter specs -> building blocks -> paged attention -> stage forward.
 
 Shapes: T tokens of one ragged step (padded), R request rows (padded: P prefill rows, then Rd
-decode rows), Q the longest prefill query (padded), C = blocks per row x block size (context slots), E hidden, H query heads,
-K KV heads (after replication for TP), G = H / K, D head dim, F MLP width, V vocab, L stage layers.
+decode rows), Q the longest prefill query (padded), C = blocks per row x block size (context
+slots), E hidden, H query heads, K KV heads (after replication for TP), G = H / K, D head dim,
+F MLP width, V vocab, L stage layers.
 """
 
 from __future__ import annotations
