@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import (
+    DESCRIPTOR_BYTES,
     TP_AXIS,
     IntermediateSpec,
     IntermediateTensors,
@@ -28,11 +29,13 @@ from pipejax.pp_utils import (
     stage_mesh,
     stage_meshes,
 )
+from pipejax.pp_utils import transfer_transport as tt
 
 pytestmark = pytest.mark.timeout(60)
 
 STEPS = (0, 1, 2, 7, 12345)
 MISMATCH_STEP = 100  # stage 0 sends hidden_states of the wrong width
+AFTER_MISMATCH = 101  # ... and then a good step again
 NEVER_SENT = 999
 B, D = 4, 8
 
@@ -65,6 +68,13 @@ if role == "sender":
         "hidden_states": jnp.zeros((B, D + 1), jnp.float32),
         "residual": jnp.zeros((B, D), jnp.float32),
         "positions": jnp.zeros((B,), jnp.int32),
+    }))
+    step = mismatch_step + 1
+    h = np.arange(B * D, dtype=np.float32).reshape(B, D) + 1000 * step
+    transport.send(step, IntermediateTensors({
+        "hidden_states": jax.device_put(h, NamedSharding(mesh, PartitionSpec(None, "tp"))),
+        "residual": jax.device_put(-h, NamedSharding(mesh, PartitionSpec())),
+        "positions": jnp.full((B,), step, jnp.int32),
     }))
     sys.stdin.read()  # serve until the test closes our stdin
 else:
@@ -164,12 +174,21 @@ def test_steps_arrive_in_the_receivers_tp2_sharding(stage1):
 
 
 def test_spec_mismatch_names_both_shapes(stage1):
+    # Earlier steps of this spec were received, so the data pull goes out with the descriptor's,
+    # in the expected layout; the descriptor still reports the mismatch, and nothing hangs.
+    spec = _tp2_spec()
+    start = time.monotonic()
     with pytest.raises(SpecMismatchError) as err:
-        stage1.receive(MISMATCH_STEP, _tp2_spec(), timeout=20)
+        stage1.receive(MISMATCH_STEP, spec, timeout=20)
+    assert time.monotonic() - start < 5
     message = str(err.value)
     assert f"step {MISMATCH_STEP}" in message and "stage 0" in message
     assert "float32[4, 9]" in message and "float32[4, 8]" in message
     assert stage1.pending() == 0
+    got = stage1.receive(AFTER_MISMATCH, spec, timeout=20)  # the transport keeps working
+    for name, want in _expected(AFTER_MISMATCH).items():
+        assert got[name].sharding == spec.tensors[name].sharding, name
+        np.testing.assert_array_equal(np.asarray(got[name]), want, err_msg=name)
 
 
 def test_receive_of_a_step_never_sent_times_out(stage1):
@@ -237,6 +256,85 @@ class TestWithinOneProcess:
         assert got.sharding == target
         np.testing.assert_array_equal(np.asarray(got), _expected(5)["hidden_states"])
         assert receiver.pending() == 0
+
+    def _receive_ok(self, receiver, step, spec, timeout=10):
+        got = receiver.receive(step, spec, timeout=timeout)["hidden_states"]
+        assert got.sharding == spec.tensors["hidden_states"].sharding
+        np.testing.assert_array_equal(np.asarray(got), _expected(step)["hidden_states"], err_msg=f"step {step}")
+        assert receiver.pending() == 0
+
+    def _spec(self, mesh, pspec=PartitionSpec(None, TP_AXIS)):
+        return IntermediateSpec({"hidden_states": TensorSpec((B, D), "float32", NamedSharding(mesh, pspec))})
+
+    def test_timeout_resume_with_the_data_pull_already_out(self, pair):
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1])
+        self._send(sender, 10, meshes[0])
+        self._receive_ok(receiver, 10, spec)  # learns the layout: later pulls go out with the descriptor's
+        with pytest.raises(TransportTimeout):
+            receiver.receive(11, spec, timeout=0.2)
+        assert receiver.pending() == 1
+        self._send(sender, 11, meshes[0])
+        self._receive_ok(receiver, 11, spec)
+
+    def test_spec_mismatch_with_the_data_pull_already_out(self, pair):
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1])
+        self._send(sender, 20, meshes[0])
+        self._receive_ok(receiver, 20, spec)
+        for step, h in ((21, jnp.zeros((B, D + 3), jnp.float32)), (22, jnp.zeros((B, D // 2), jnp.float32))):
+            sender.send(step, IntermediateTensors({"hidden_states": h}))  # more bytes, then fewer
+            start = time.monotonic()
+            with pytest.raises(SpecMismatchError, match=f"step {step}"):
+                receiver.receive(step, spec, timeout=10)
+            assert time.monotonic() - start < 5
+            assert receiver.pending() == 0
+        self._send(sender, 23, meshes[0])
+        self._receive_ok(receiver, 23, spec)
+
+    def test_sender_changes_layout_between_steps(self, pair):
+        """Same shapes, new sender layout: data pulled in the old layout are put back in place."""
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1], PartitionSpec())  # a spec of its own: layouts are learned per spec
+        self._send(sender, 30, meshes[0])
+        self._receive_ok(receiver, 30, spec)
+        rows = NamedSharding(meshes[0], PartitionSpec(TP_AXIS))  # buffers as large as before: [1, D], not [B, D/4]
+        for step in (31, 32):
+            h = jax.device_put(jnp.asarray(_expected(step)["hidden_states"]), rows)
+            sender.send(step, IntermediateTensors({"hidden_states": h}))
+            self._receive_ok(receiver, step, spec)
+
+    def test_sender_changes_buffer_sizes_between_steps(self, pair):
+        """Same shapes, buffers of other sizes: that step is lost with a clear error; the next ones arrive."""
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1], PartitionSpec(TP_AXIS, None))
+        self._send(sender, 40, meshes[0])
+        self._receive_ok(receiver, 40, spec)
+        for step in (41, 42):  # now one buffer on one device
+            h = jax.device_put(jnp.asarray(_expected(step)["hidden_states"]), jax.devices()[0])
+            sender.send(step, IntermediateTensors({"hidden_states": h}))
+        with pytest.raises(ValueError, match="step 41: .*changed how it lays out"):
+            receiver.receive(41, spec, timeout=10)
+        assert receiver.pending() == 0
+        self._receive_ok(receiver, 42, spec)
+
+    def test_a_descriptor_that_is_not_ours(self, pair):
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1])
+        sender._server.await_pull(2 * 50, [jax.device_put(np.full(DESCRIPTOR_BYTES, 0xFF, np.uint8))])
+        with pytest.raises(SpecMismatchError, match="not a pipejax activation"):
+            receiver.receive(50, spec, timeout=10)
+        self._send(sender, 51, meshes[0])
+        self._receive_ok(receiver, 51, spec)
+
+    def test_a_sent_layout_is_described_once(self, pair, monkeypatch):
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1])
+        self._send(sender, 60, meshes[0])
+        monkeypatch.setattr(tt, "_describe_array", lambda a: pytest.fail("described again"))
+        self._send(sender, 61, meshes[0])
+        for step in (60, 61):
+            self._receive_ok(receiver, step, spec)
 
     def test_a_step_is_sent_once(self, pair):
         sender, _, meshes = pair

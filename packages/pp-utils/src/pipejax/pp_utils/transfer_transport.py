@@ -8,12 +8,20 @@ the previous stage's server straight into the receiving stage's devices and shar
 How the transfer server behaves (jax 0.10.2, checked on CPU) and what this module does about it:
 - ``pull`` is positional and blind: the receiver names shapes and shardings, and shard ``i`` of
   the pull is filled with the bytes of the sender's ``i``-th buffer (the arrays' addressable
-  shards, in order). A wrong guess is not reported: a smaller pull yields an array that fails
-  on use, a pull with more shards than were sent never completes. So every step is published
-  as two pulls: a fixed-size descriptor (JSON in a ``uint8[DESCRIPTOR_BYTES]`` array: names,
-  shapes, dtypes and the index of every shard) and then the data. The receiver reads the
-  descriptor first, raises ``SpecMismatchError`` on a name/shape/dtype mismatch, and pulls the
-  data only with a layout it knows equals the sender's.
+  shards, in order). A wrong guess is reported only where the byte counts differ: a shard larger
+  or smaller than its buffer, or more shards than buffers, fail the pull within a round trip; the
+  same bytes in another shape (or dtype) arrive reinterpreted, and fewer shards than buffers just
+  take the first ones. Either way the uuid is used up, and the connection keeps working.
+- So every step is published as two pulls: a fixed-size descriptor (JSON in a
+  ``uint8[DESCRIPTOR_BYTES]`` array: names, shapes, dtypes and the index of every shard; encoded
+  once per layout and reused) and the data. The first step of a spec pulls the descriptor, raises
+  ``SpecMismatchError`` on a name/shape/dtype mismatch, and only then pulls the data, in the
+  sender's layout. That plan is kept per spec: later steps issue the data pull in it at once,
+  next to the descriptor's (one round trip, not two), and accept the data only when the descriptor
+  is byte for byte the one the plan was made from; otherwise the descriptor is checked as above
+  (``SpecMismatchError``, the speculative pull is dropped). If the sender changed its layout for
+  the same shapes, data whose buffers kept their sizes are put back in place on the host; other
+  sizes lose that step (``ValueError``); the next step uses the new plan.
 - Same layout on both sides (the usual case: every stage has the same TP and the same
   activation shardings) lands directly in the receiver's sharding. Otherwise the sender's
   ``NamedSharding`` is rebuilt over the receiver's devices, pulled into, then ``device_put``
@@ -22,12 +30,15 @@ How the transfer server behaves (jax 0.10.2, checked on CPU) and what this modul
   ``receive`` raises ``ConnectionError`` naming the step and the peer.
 - ``pull`` returns at once; readiness is what waits, and a pull for an id that is never
   published never becomes ready (its ``timeout`` argument did not end it). ``receive`` polls
-  ``is_ready()`` up to its deadline, so no thread is left blocked and the process can exit. A
-  pull that timed out stays issued and is resumed by the next ``receive`` of that step.
+  ``is_ready()`` up to its deadline (spinning briefly, then sleeping a small fraction of the time
+  waited), so no thread is left blocked and the process can exit. A pull that timed out stays
+  issued and is resumed by the next ``receive`` of that step.
 - Data stay alive on the sender until pulled, then the server frees them (the caller may drop
-  its references right after ``send``). A uuid is served once; publishing it again is refused
-  here. Steps never pulled are dropped after ``unpulled_ttl_s`` (the server frees them lazily,
-  on a later ``send``). A mismatched step is never pulled, so it waits for that TTL too.
+  its references right after ``send``, but must not delete or donate the arrays before they are
+  pulled: that pull then fails. ``use_raw_buffers=True`` would allow it, but made a 6 MB pull
+  about 1 ms slower here). A uuid is served once; publishing it again is refused here. Steps
+  never pulled are dropped after ``unpulled_ttl_s`` (the server frees them lazily, on a later
+  ``send``); so are the data of a mismatched step that were not pulled.
 - The server has no shutdown call: it lives as long as this object; ``close`` forgets the
   connection and the pending pulls.
 """
@@ -38,6 +49,7 @@ import collections
 import dataclasses
 import datetime
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -54,7 +66,9 @@ from pipejax.pp_utils.transport import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTran
 DESCRIPTOR_BYTES = 4096
 MAX_STEP_ID = 2**62 - 1  # two uuids per step must fit the server's uint64 ids
 _RECENT_STEPS = 65536  # how many step ids are remembered to refuse a second send/receive
-_POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
+_SPIN_S = 300e-6  # how long a wait spins before it sleeps
+_POLL_MIN_S, _POLL_MAX_S, _POLL_FRACTION = 20e-6, 1e-3, 0.05  # then sleeps: this fraction of the time waited
+_CACHED_LAYOUTS = 256  # descriptors (send side) and pull plans (receive side) kept per layout
 
 Layout = list[list[list[int]]]  # per buffer, per dimension: [start, stop]
 
@@ -96,8 +110,8 @@ def _encode(descriptor: dict[str, Any]) -> np.ndarray:
     return out
 
 
-def _decode(array: np.ndarray) -> dict[str, Any]:
-    return json.loads(array.tobytes().rstrip(b"\0"))
+def _decode(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw.rstrip(b"\0"))
 
 
 def _sender_sharding_on(entry: dict[str, Any], devices: Sequence[jax.Device]) -> jax.sharding.Sharding | None:
@@ -114,13 +128,31 @@ def _sender_sharding_on(entry: dict[str, Any], devices: Sequence[jax.Device]) ->
     return NamedSharding(mesh, pspec)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How to pull one spec's data, learned from a descriptor; reused while the sender's descriptor is the same."""
+
+    key: tuple  # the receiving spec (_spec_key) it was made for
+    descriptor: bytes  # the raw descriptor it was made from
+    entries: tuple[dict[str, Any], ...]  # the sender's entry per tensor, in spec order
+    structs: tuple[jax.ShapeDtypeStruct, ...]  # the data pull
+    shardings: tuple[jax.sharding.Sharding, ...]  # the pull's shardings, in spec order
+
+    def buffer_bytes(self) -> list[list[int]]:
+        """Bytes of every buffer the data pull receives, per tensor."""
+        return [
+            [int(np.prod([b - a for a, b in index])) * np.dtype(e["dtype"]).itemsize for index in e["layout"]]
+            for e in self.entries
+        ]
+
+
 @dataclasses.dataclass
 class _PendingPull:
     """A receive in progress; kept across a timeout so a retry resumes it."""
 
     descriptor: jax.Array
     data: list[jax.Array] | None = None  # pulled arrays, sorted by name
-    pull_shardings: list[jax.sharding.Sharding] | None = None
+    data_plan: _Plan | None = None  # the plan ``data`` were pulled with
 
 
 class TransferServerTransport(ActivationTransport):
@@ -153,23 +185,33 @@ class TransferServerTransport(ActivationTransport):
         self._sent: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._received: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pending: dict[int, _PendingPull] = {}
+        self._descriptors: collections.OrderedDict[tuple, jax.Array] = collections.OrderedDict()  # send side
+        self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()  # receive side
+        self._descriptor_structs: collections.OrderedDict[tuple, jax.ShapeDtypeStruct] = collections.OrderedDict()
 
     def connect_previous(self, address: str, peer_name: str = "previous stage") -> None:
         """Connect to the previous stage's ``address``; ``receive`` pulls from it."""
         self._conn = self._server.connect(address)
         self.peer = f"{peer_name} at {address}"
+        self._plans.clear()  # learned from the old peer's descriptors
 
     # -- sending ------------------------------------------------------------------------------
 
     def send(self, step_id: int, tensors: IntermediateTensors) -> None:
         _check_step_id(step_id)
         arrays = [v if isinstance(v, jax.Array) else jax.device_put(v) for v in tensors.values()]
-        for name, array in zip(tensors, arrays, strict=True):
-            if not array.is_fully_addressable:
-                raise ValueError(f"step {step_id}: {name!r} spans processes; a stage must live in one process")
-        descriptor = {"pipejax": 1, "tensors": {k: _describe_array(a) for k, a in zip(tensors, arrays, strict=True)}}
-        home = arrays[0].addressable_shards[0].device if arrays else jax.local_devices()[0]
-        encoded = jax.device_put(_encode(descriptor), home)
+        key = tuple((name, a.shape, a.dtype, a.sharding) for name, a in zip(tensors, arrays, strict=True))
+        encoded = self._descriptors.get(key)
+        if encoded is None:  # a layout not sent before: describe it once
+            for name, array in zip(tensors, arrays, strict=True):
+                if not array.is_fully_addressable:
+                    raise ValueError(f"step {step_id}: {name!r} spans processes; a stage must live in one process")
+            described = {k: _describe_array(a) for k, a in zip(tensors, arrays, strict=True)}
+            descriptor = {"pipejax": 1, "tensors": described}
+            home = arrays[0].addressable_shards[0].device if arrays else jax.local_devices()[0]
+            encoded = jax.device_put(_encode(descriptor), home)
+            with self._lock:
+                _cache(self._descriptors, key, encoded)
         with self._lock:
             if step_id in self._sent:
                 raise ValueError(f"step {step_id} was already sent from {self.address}; step ids must be unique")
@@ -188,55 +230,77 @@ class TransferServerTransport(ActivationTransport):
         if self._conn is None:
             raise RuntimeError(f"receive(step {step_id}) before connect_previous(); connect to the previous stage")
         deadline = time.monotonic() + timeout
+        key = _spec_key(spec)
         with self._lock:
             if step_id in self._received:
                 raise ValueError(f"step {step_id} was already received from {self.peer}; each step is pulled once")
             pending = self._pending.get(step_id)
             if pending is None:
-                home = _home_device(spec)
-                struct = jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=SingleDeviceSharding(home))
-                pending = self._pending[step_id] = _PendingPull(self._conn.pull(2 * step_id, [struct])[0])
+                # With a plan from an earlier step of this spec, the data pull goes out now, next to
+                # the descriptor's, in that plan's layout; the descriptor then confirms it.
+                plan = self._plans.get(key)
+                data = self._conn.pull(2 * step_id + 1, list(plan.structs)) if plan is not None else None
+                struct = self._descriptor_structs.get(key)
+                if struct is None:
+                    home = SingleDeviceSharding(_home_device(spec))
+                    struct = jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=home)
+                    _cache(self._descriptor_structs, key, struct)
+                pending = _PendingPull(self._conn.pull(2 * step_id, [struct])[0], data, plan)
+                self._pending[step_id] = pending
 
         self._wait([pending.descriptor], step_id, timeout, deadline)
-        descriptor = _decode(np.asarray(pending.descriptor))
-        if pending.data is None:
+        raw = np.asarray(pending.descriptor).tobytes()
+        reassemble = False
+        plan = pending.data_plan
+        if plan is None or plan.key != key or plan.descriptor != raw:
             try:
-                _check_descriptor(descriptor, spec, step_id, self.peer)
-                shardings = [_pull_sharding(n, descriptor["tensors"][n], spec, step_id) for n in spec.names()]
+                plan = _make_plan(key, raw, spec, step_id, self.peer)
+                with self._lock:
+                    _cache(self._plans, key, plan)  # the sender's layout now, for the next steps
+                if pending.data is not None:
+                    reassemble = _check_misguessed(pending.data_plan, plan, step_id, self.peer)
             except ValueError:
                 with self._lock:
                     self._pending.pop(step_id, None)
                 raise
-            structs = [
-                jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh)
-                for s, sh in zip(spec.tensors.values(), shardings, strict=True)
-            ]
-            pending.pull_shardings = shardings
-            pending.data = self._conn.pull(2 * step_id + 1, structs)
+            if pending.data is None:
+                pending.data = self._conn.pull(2 * step_id + 1, list(plan.structs))
+                pending.data_plan = plan
         self._wait(pending.data, step_id, timeout, deadline)
 
         with self._lock:
             del self._pending[step_id]
             _remember(self._received, step_id)
         out = {}
-        for name, array, pulled in zip(spec.names(), pending.data, pending.pull_shardings, strict=True):
+        for i, (name, array) in enumerate(zip(spec.names(), pending.data, strict=True)):
             target = spec.tensors[name].sharding
-            out[name] = array if target is None or target == pulled else jax.device_put(array, target)
+            if reassemble:
+                array = _reassemble(array, pending.data_plan.shardings[i], plan.entries[i], target or plan.shardings[i])
+            elif target is not None and target is not plan.shardings[i] and target != plan.shardings[i]:
+                array = jax.device_put(array, target)
+            out[name] = array
         return IntermediateTensors(out)
 
     def _wait(self, arrays: list[jax.Array], step_id: int, timeout: float, deadline: float) -> None:
         # Polled, not blocked on in a helper thread: a thread left inside block_until_ready on a
         # pull that never completes aborts the interpreter at exit ("FATAL: exception not rethrown").
-        pause = _POLL_MIN_S
+        # A sleep here lasts ~80 us whatever it asks for, longer than a decode-size pull takes to
+        # land once it is under way: so first spin (yielding the core) for _SPIN_S, then sleep a
+        # fraction of the time waited so far, so a long transfer is noticed within a few % of it.
+        start = time.monotonic()
         while not all(a.is_ready() for a in arrays):
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise TransportTimeout(
                     f"step {step_id}: no activations from {self.peer} after {timeout:.1f}s; "
                     f"is the previous stage running and using the same step ids?"
                 )
-            time.sleep(min(pause, left))
-            pause = min(pause * 1.5, _POLL_MAX_S)
+            waited = now - start
+            if waited < _SPIN_S:
+                os.sched_yield()
+            else:
+                time.sleep(min(max(_POLL_MIN_S, min(_POLL_MAX_S, _POLL_FRACTION * waited)), left))
         try:
             jax.block_until_ready(arrays)  # ready by now; raises if the pull failed
         except jax.errors.JaxRuntimeError as e:
@@ -254,6 +318,61 @@ class TransferServerTransport(ActivationTransport):
     def close(self) -> None:
         self._conn = None
         self._pending.clear()
+        self._plans.clear()
+
+
+def _spec_key(spec: IntermediateSpec) -> tuple:
+    return tuple((name, tuple(s.shape), s.dtype, s.sharding) for name, s in spec.tensors.items())
+
+
+def _make_plan(key: tuple, raw: bytes, spec: IntermediateSpec, step_id: int, peer: str) -> _Plan:
+    """Check a descriptor against ``spec`` (``SpecMismatchError``) and plan the data pull it describes."""
+    try:
+        descriptor = _decode(raw)
+    except ValueError as e:  # not JSON: not ours
+        raise SpecMismatchError(f"step {step_id}: {peer} published something that is not a pipejax activation") from e
+    _check_descriptor(descriptor, spec, step_id, peer)
+    entries = tuple(descriptor["tensors"][n] for n in spec.names())
+    shardings = tuple(_pull_sharding(n, e, spec, step_id) for n, e in zip(spec.names(), entries, strict=True))
+    structs = tuple(
+        jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh)
+        for s, sh in zip(spec.tensors.values(), shardings, strict=True)
+    )
+    return _Plan(key, raw, entries, structs, shardings)
+
+
+def _check_misguessed(guess: _Plan, plan: _Plan, step_id: int, peer: str) -> bool:
+    """The data were pulled with ``guess`` but the sender's layout is ``plan``'s: usable as they are (False),
+    only after putting their bytes back in place (True), or lost (ValueError)."""
+    if guess.shardings == plan.shardings and guess.structs == plan.structs:
+        return False
+    if len(guess.entries) == len(plan.entries) and guess.buffer_bytes() == plan.buffer_bytes():
+        return True  # every buffer landed whole, in a differently shaped shard
+    raise ValueError(
+        f"step {step_id}: {peer} changed how it lays out activations of the same shapes since an earlier "
+        f"step, and this step's data were already pulled in the old layout and are lost; keep a stage's "
+        f"output sharding fixed per shape (a new layout arrives intact from the next step on)"
+    )
+
+
+def _reassemble(
+    array: jax.Array, pulled: jax.sharding.Sharding, entry: dict[str, Any], target: jax.sharding.Sharding
+) -> jax.Array:
+    """Data pulled in the wrong layout: buffer ``i`` went whole into the pull's shard ``i``; put it in place."""
+    shape = tuple(entry["shape"])
+    out = np.empty(shape, np.dtype(entry["dtype"]))
+    shards = {s.device: s for s in array.addressable_shards}
+    for device, index in zip(pulled.addressable_devices_indices_map(shape), entry["layout"], strict=True):
+        piece = np.asarray(shards[device].data).reshape(-1).view(out.dtype).reshape([b - a for a, b in index])
+        out[tuple(slice(a, b) for a, b in index)] = piece
+    return jax.device_put(out, target)
+
+
+def _cache(cache: collections.OrderedDict, key: Any, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    if len(cache) > _CACHED_LAYOUTS:
+        cache.popitem(last=False)
 
 
 def _check_step_id(step_id: int) -> None:
