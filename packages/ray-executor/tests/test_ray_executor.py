@@ -206,3 +206,30 @@ def test_torchax_model_impl_under_ray(tmp_path):
         llm.shutdown()
     finally:
         stop_cluster(cluster)
+
+
+def test_pinned_stages_get_disjoint_cores(expected):
+    """pin_stage_cpus: two stages on one node split its cores between them, outputs unchanged; more
+    stages than cores is refused with an error that names the fix."""
+    cores = sorted(os.sched_getaffinity(0))
+    cluster = start_cluster([4])
+    try:
+        llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
+                  num_kv_blocks=128, warmup=False, pin_stage_cpus=True)
+        actors = llm.engine.executor.actors
+        pinned = ray.get([a.allowed_cpus.remote() for a in actors], timeout=60)
+        share = len(cores) // 2
+        if share:
+            assert pinned == [cores[:share], cores[share : 2 * share]]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+    if len(cores) < 4:  # one core per stage at most: 4 stages on this node cannot each get one
+        cluster = start_cluster([4])
+        try:
+            with pytest.raises(ValueError, match=r"pin_stage_cpus: stage \d .* drop pin_stage_cpus"):
+                LLM(None, pipeline_parallel_size=4, distributed_executor_backend="ray", num_kv_blocks=64,
+                    warmup=False, pin_stage_cpus=True)
+        finally:
+            stop_cluster(cluster)

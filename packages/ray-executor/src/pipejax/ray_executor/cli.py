@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None)
     p.add_argument("--model-impl", default="jax", help="'jax' (native) or 'torchax' (pipejax-torchax-bridge)")
     p.add_argument("--ray-compiled-graph", action="store_true", help="with --distributed-executor-backend ray")
+    p.add_argument("--pin-stage-cpus", action="store_true",
+                   help="with the ray backend on CPU: each stage actor gets its own share of its host's cores")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
@@ -92,6 +94,7 @@ def _llm(args: argparse.Namespace, **extra):
         seed=args.seed,
         model_impl=args.model_impl,
         ray_compiled_graph=args.ray_compiled_graph,
+        pin_stage_cpus=args.pin_stage_cpus,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,

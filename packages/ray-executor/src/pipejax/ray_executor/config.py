@@ -25,3 +25,6 @@ class EngineConfig:
     placement_group: Any = None
     placement_timeout_s: float = 120.0
     ray_compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)
+    # Ray executor on the CPU backend: confine each stage actor to its own equal share of its node's
+    # cores, so stages on one host do not share cores (as stages on their own chips would not).
+    pin_stage_cpus: bool = False

@@ -53,6 +53,7 @@ class LLM:
         max_num_batched_tokens: int = 512,
         warmup: bool = True,
         ray_compiled_graph: bool = False,
+        pin_stage_cpus: bool = False,
         max_batches_in_flight: int | None = None,
     ):
         config = EngineConfig(
@@ -75,6 +76,7 @@ class LLM:
             seed=seed,
             model_impl=model_impl,
             ray_compiled_graph=ray_compiled_graph,
+            pin_stage_cpus=pin_stage_cpus,
             max_batches_in_flight=max_batches_in_flight,
         )
         self.engine = LLMEngine(config)

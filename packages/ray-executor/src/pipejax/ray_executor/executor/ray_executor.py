@@ -69,7 +69,9 @@ class RayExecutor(Executor):
         self.placement = [{**infos[r.record.creation_index], "local_rank": r.local_rank,
                            "local_world_size": r.local_world_size} for r in ranked]
         envs = stage_environments(platform, par, self.placement)
-        ray.get([a.set_environment.remote(env) for a, env in zip(self.actors, envs, strict=True)], timeout=timeout)
+        cpus = self._stage_cpus(platform, timeout) if config.pin_stage_cpus else [None] * pp
+        ray.get([a.set_environment.remote(env, c) for a, env, c in zip(self.actors, envs, cpus, strict=True)],
+                timeout=timeout)
         addresses = ray.get(
             [
                 a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"], self._name(rank))
@@ -86,6 +88,24 @@ class RayExecutor(Executor):
         self.block_size = config.cache.block_size
         ray.get([a.load.remote(self.num_kv_blocks) for a in self.actors], timeout=timeout)
         log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))
+
+    def _stage_cpus(self, platform, timeout: float) -> list[list[int]]:
+        """Each stage's share of its node's cores: the cores its actor may use, split evenly and
+        disjointly among the stages on that node by local rank."""
+        if platform.ray_device_key:
+            raise ValueError("pin_stage_cpus is for the CPU backend (simulated devices); drop it on TPU hosts")
+        allowed = ray.get([a.allowed_cpus.remote() for a in self.actors], timeout=timeout)
+        out = []
+        for rank, cores in enumerate(allowed):
+            p = self.placement[rank]
+            share, n = len(cores) // p["local_world_size"], p["local_world_size"]
+            if share == 0:
+                raise ValueError(
+                    f"pin_stage_cpus: {self._name(rank)} shares {len(cores)} core(s) with {n - 1} other stage(s); "
+                    f"each stage needs at least one: drop pin_stage_cpus or use fewer stages per host"
+                )
+            out.append(cores[p["local_rank"] * share : (p["local_rank"] + 1) * share])
+        return out
 
     def _worker_config(self, rank: int) -> WorkerConfig:
         par = self.config.parallel

@@ -33,8 +33,15 @@ class StageActor:
             "pid": os.getpid(),
         }
 
-    def set_environment(self, env: dict[str, str]) -> None:
+    def allowed_cpus(self) -> list[int]:
+        return sorted(os.sched_getaffinity(0))
+
+    def set_environment(self, env: dict[str, str], cpus: list[int] | None = None) -> None:
+        """Before JAX is imported: its variables, and optionally the cores this process may use (XLA
+        sizes its CPU thread pool from the affinity mask)."""
         os.environ.update(env)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
     # --- the stage --------------------------------------------------------------------------
 

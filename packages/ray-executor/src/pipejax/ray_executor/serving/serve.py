@@ -64,6 +64,7 @@ def engine_config(args: argparse.Namespace):
         seed=args.seed,
         model_impl=args.model_impl,
         ray_compiled_graph=args.ray_compiled_graph,
+        pin_stage_cpus=args.pin_stage_cpus,
         placement_timeout_s=args.placement_timeout,
     )
 
