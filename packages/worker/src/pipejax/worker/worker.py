@@ -29,6 +29,24 @@ from pipejax.runner.runner import StageRunner, kv_bytes_per_block
 log = logging.getLogger(__name__)
 
 WARMUP_STEP_BASE = 1 << 60  # warm-up step ids live far above the engine's (which count from 0)
+CACHE_DIR_ENV = "PIPEJAX_COMPILATION_CACHE_DIR"
+MIN_CACHED_COMPILE_S = 0.2  # compiles faster than this are not worth a file
+
+
+def default_compilation_cache_dir() -> str | None:
+    """``$PIPEJAX_COMPILATION_CACHE_DIR`` (empty: no cache), else ~/.cache/pipejax/jax-compilation."""
+    value = os.environ.get(CACHE_DIR_ENV)
+    if value is not None:
+        return value or None
+    return os.path.join(os.path.expanduser("~"), ".cache", "pipejax", "jax-compilation")
+
+
+def enable_compilation_cache(path: str) -> None:
+    """JAX's persistent compilation cache (process-wide): a restart reuses the step programs the
+    last start compiled for the same model, layout and buckets instead of compiling them again."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +61,7 @@ class WorkerConfig:
     seed: int = 0
     model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
     receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +87,8 @@ class StageWorker:
         ``recv``/``send``: transports to the previous/next stage (None on the first/last)."""
         self.config = config
         self.stage = config.stage
+        if config.compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         devices = list(devices if devices is not None else jax.local_devices()[: config.tp_size])
         if len(devices) != config.tp_size:
             listing = ", ".join(str(d) for d in jax.local_devices())

@@ -6,6 +6,9 @@ benchmark model: import, start a local Ray cluster, build the engine (placement 
 actors, each stage's JAX start, weights and KV cache), compile the warm-up buckets, then one prompt
 to its first token. The stage actors note when their set-up calls ran (a ``StageActor`` subclass),
 which splits the engine build; every phase is wall-clock time from the process's creation.
+
+Each repeat is two starts on a persistent compilation cache of its own: the first with the cache
+empty (a first-ever start), the second with what the first left in it (every later start).
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from pipejax.ray_executor.benchmarks.common import section_main, summary
+from pipejax.worker.worker import CACHE_DIR_ENV
 
 PHASES = (
     "python + imports",
@@ -95,19 +100,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     bench_model()  # generate the checkpoint outside the timed processes
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
-    runs = []
+    runs: dict[str, list[dict]] = {"empty": [], "warm": []}
     for _ in range(args.repeats):
-        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--child"], capture_output=True, text=True,
-                              env=env, timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"cold-start process failed: {proc.stderr[-3000:]}")
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    return {
-        "layout": "pp=2 tp=2, Ray backend, benchmark model",
-        "phases": {p: summary([r["phases"][p] for r in runs]) for p in PHASES},
-        "total": summary([r["total"] for r in runs]),
-        "kv_blocks": runs[0]["kv_blocks"],
-    }
+        with tempfile.TemporaryDirectory(prefix="pipejax-coldstart-cache-") as cache:
+            env[CACHE_DIR_ENV] = cache
+            for kind in ("empty", "warm"):
+                proc = subprocess.run([sys.executable, "-m", __spec__.name, "--child"], capture_output=True,
+                                      text=True, env=env, timeout=900)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"cold-start process failed: {proc.stderr[-3000:]}")
+                runs[kind].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out: dict[str, Any] = {"layout": "pp=2 tp=2, Ray backend, benchmark model",
+                           "kv_blocks": runs["empty"][0]["kv_blocks"]}
+    for kind, key in (("empty", ""), ("warm", "warm_cache_")):
+        out[f"{key}phases"] = {p: summary([r["phases"][p] for r in runs[kind]]) for p in PHASES}
+        out[f"{key}total"] = summary([r["total"] for r in runs[kind]])
+    out["warm_vs_first"] = summary([w["total"] / e["total"] for w, e in zip(runs["warm"], runs["empty"], strict=True)])
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""The persistent compilation cache: a second process with the same model and buckets compiles
+nothing new (every step program comes from the cache the first process filled)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from worker_oracle import CACHE
+
+pytestmark = pytest.mark.timeout(300)
+
+SCRIPT = r"""
+import sys
+from pipejax.runner.config import StageConfig
+from pipejax.worker import StageWorker, WorkerConfig
+from worker_oracle import CACHE
+worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE,
+                                  compilation_cache_dir=sys.argv[2]))
+worker.load(CACHE.num_blocks)
+worker.warmup(worker.warmup_batches(max_shapes=3), progress=False)
+"""
+
+
+def run_stage_process(model, cache_dir):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__)}
+    subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache_dir)], env=env, check=True, timeout=240)
+    return sorted(os.listdir(cache_dir))
+
+
+def test_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
+    assert CACHE.num_blocks
+    first = run_stage_process(checkpoint[0], tmp_path)
+    assert any("step" in name or "forward" in name for name in first), first  # the stage's jitted step is cached
+    assert run_stage_process(checkpoint[0], tmp_path) == first
