@@ -87,28 +87,43 @@ def decode_times(path: str, batches: list[int], repeats: int) -> dict[int, tuple
     return {b: timed(lambda b=b: decode(b), repeats) for b in batches}
 
 
+# The probe's own peak RSS is VmHWM of /proc/self/status (the high-water mark of its address space,
+# which starts afresh at exec). Not getrusage's ru_maxrss: Linux carries that over exec from the
+# process that spawned the probe, so after this script's own big arrays both readings were the
+# parent's peak and every growth came out as 0.
 RSS_PROBE = """
-import os, resource, sys, json
+import os, sys, json
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 from pipejax.pp_utils import stage_mesh
 from pipejax.runner.checkpoint import load_stage_params
 from pipejax.runner.config import ModelConfig, StageConfig
+
+def peak_rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
 path, pp_rank, pp_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 cfg = ModelConfig.from_pretrained(path)
 mesh = stage_mesh(jax.devices()[:1])
 jax.device_put(jax.numpy.zeros(1)).block_until_ready()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak_rss()
 params = load_stage_params(path, cfg, StageConfig(pp_rank, pp_size), mesh)
 jax.block_until_ready(params)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss()
 print(json.dumps({"base": base, "peak": peak, "param_bytes": sum(p.nbytes for p in params.values())}))
 """
 
 
 def load_rss(path: str, pp_rank: int, pp_size: int) -> dict:
+    """Peak RSS of loading one stage's weights (pp_rank of pp_size) in a fresh process on one CPU device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.run(
-        [sys.executable, "-c", RSS_PROBE, path, str(pp_rank), str(pp_size)], capture_output=True, text=True, check=True
+        [sys.executable, "-c", RSS_PROBE, path, str(pp_rank), str(pp_size)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -1,8 +1,10 @@
 """Load one stage's parameters from a Hugging Face safetensors checkpoint.
 
-Only the tensors the stage owns are read (memory-mapped), one parameter at a time; each is
-converted to the runner's layout and placed straight into its TP sharding, so no process ever
-holds the full model.
+Only the tensors the stage owns are read (memory-mapped), one parameter at a time and each in
+chunks of at most ``CHUNK_BYTES``; every chunk is converted to the runner's layout and written into
+the parameter's per-device shards, and its pages are released before the next is read. So no
+process ever holds the full model, nor any tensor twice: besides the stage's own parameters, a
+load holds one chunk (on the CPU backend the filled shard buffers become the device buffers).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ class SafetensorsIndex:
 
     Tensors are zero-copy views into memory-mapped files (the safetensors layout: an 8-byte
     header length, a JSON header with dtype/shape/offsets, then the raw data). ``release`` hands a
-    tensor's pages back to the OS once it has been copied to the device, so a loading process
-    never holds more than the tensor it is working on besides its own parameters.
+    tensor's pages (or some of its rows' pages) back to the OS once they have been copied, so a
+    loading process never holds more of the checkpoint than the chunk it is working on.
     """
 
     def __init__(self, path: str | Path):
@@ -102,81 +104,179 @@ class SafetensorsIndex:
         count = int(np.prod(shape)) if shape else 1
         return np.frombuffer(mapped, dtype, count, meta["data_start"]).reshape(shape)
 
-    def release(self, name: str) -> None:
-        """Drop the pages of ``name`` from this process (they stay in the OS page cache)."""
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
+        """Drop the pages of ``name`` (or of its rows ``[r0, r1)`` along the first axis) from this
+        process; they stay in the OS page cache."""
         mapped, _, meta = self.entries[name]
-        start = meta["data_start"] // mmap.PAGESIZE * mmap.PAGESIZE
-        end = meta["data_start"] + meta["data_offsets"][1] - meta["data_offsets"][0]
-        mapped.madvise(mmap.MADV_DONTNEED, start, max(0, end - start))
+        first = meta["data_start"]
+        nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+        if rows is not None and meta["shape"]:
+            row_bytes = nbytes // max(1, meta["shape"][0])
+            first, nbytes = first + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+        start = first // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, start, max(0, first + nbytes - start))
 
 
-def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[str, tuple[int, ...], Callable]]:
-    """Runner param name -> (HF name template, HF shape, HF array -> runner layout)."""
+# A converter turns rows [r0, r1) of a checkpoint tensor into (where they go in the runner's
+# parameter, as slices of its dimensions after the stacked-layer one; their values).
+Converter = Callable[[np.ndarray, int, int], tuple[tuple[slice, ...], np.ndarray]]
+
+
+def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[str, tuple[int, ...], int, Converter]]:
+    """Runner param name -> (HF name template, HF shape, rows per unit, rows of HF -> runner layout).
+
+    HF tensors are read in chunks of whole units along their first axis (one attention head's
+    rows for the head-shaped projections), so a chunk's place in the runner layout is a block.
+    """
     E, F, H, D, K0 = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
     repeat = kv_heads_for_tp(cfg, tp) // K0
+    whole = 1 << 62  # 1-D tensors (norms, biases) are read in one piece
 
-    def heads_in(n: int, rep: int = 1):  # [n*D, E] -> [E, n*rep, D]
-        return lambda w: np.repeat(w.T.reshape(E, n, D), rep, axis=1)
+    def heads_in(rep: int = 1) -> Converter:  # [n*D, E] -> [E, n*rep, D]
+        def convert(w, r0, r1):
+            heads = np.repeat(w.T.reshape(E, (r1 - r0) // D, D), rep, axis=1)
+            return (slice(None), slice(r0 // D * rep, r1 // D * rep)), heads
 
-    def bias(n: int, rep: int = 1):  # [n*D] -> [n*rep, D]
-        return lambda b: np.repeat(b.reshape(n, D), rep, axis=0)
+        return convert
 
-    def same(w):
-        return w
+    def bias(n: int, rep: int = 1) -> Converter:  # [n*D] -> [n*rep, D]
+        return lambda b, r0, r1: ((), np.repeat(b.reshape(n, D), rep, axis=0))
 
-    def transpose(w):
-        return w.T
+    def same(w, r0, r1):
+        return (), w
+
+    def transpose(w, r0, r1):  # [out, in] -> [in, out]
+        return (slice(None), slice(r0, r1)), w.T
+
+    def o_proj(w, r0, r1):  # [E, H*D] -> [H, D, E]
+        return (slice(None), slice(None), slice(r0, r1)), w.T.reshape(H, D, r1 - r0)
 
     attn = "model.layers.{i}.self_attn."
     table = {
-        "input_norm": ("model.layers.{i}.input_layernorm.weight", (E,), same),
-        "q": (attn + "q_proj.weight", (H * D, E), heads_in(H)),
-        "k": (attn + "k_proj.weight", (K0 * D, E), heads_in(K0, repeat)),
-        "v": (attn + "v_proj.weight", (K0 * D, E), heads_in(K0, repeat)),
-        "o": (attn + "o_proj.weight", (E, H * D), lambda w: w.T.reshape(H, D, E)),
-        "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", (E,), same),
-        "gate": ("model.layers.{i}.mlp.gate_proj.weight", (F, E), transpose),
-        "up": ("model.layers.{i}.mlp.up_proj.weight", (F, E), transpose),
-        "down": ("model.layers.{i}.mlp.down_proj.weight", (E, F), transpose),
+        "input_norm": ("model.layers.{i}.input_layernorm.weight", (E,), whole, same),
+        "q": (attn + "q_proj.weight", (H * D, E), D, heads_in()),
+        "k": (attn + "k_proj.weight", (K0 * D, E), D, heads_in(repeat)),
+        "v": (attn + "v_proj.weight", (K0 * D, E), D, heads_in(repeat)),
+        "o": (attn + "o_proj.weight", (E, H * D), 1, o_proj),
+        "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", (E,), whole, same),
+        "gate": ("model.layers.{i}.mlp.gate_proj.weight", (F, E), 1, transpose),
+        "up": ("model.layers.{i}.mlp.up_proj.weight", (F, E), 1, transpose),
+        "down": ("model.layers.{i}.mlp.down_proj.weight", (E, F), 1, transpose),
     }
     if cfg.qkv_bias:
-        table["q_bias"] = (attn + "q_proj.bias", (H * D,), bias(H))
-        table["k_bias"] = (attn + "k_proj.bias", (K0 * D,), bias(K0, repeat))
-        table["v_bias"] = (attn + "v_proj.bias", (K0 * D,), bias(K0, repeat))
+        table["q_bias"] = (attn + "q_proj.bias", (H * D,), whole, bias(H))
+        table["k_bias"] = (attn + "k_proj.bias", (K0 * D,), whole, bias(K0, repeat))
+        table["v_bias"] = (attn + "v_proj.bias", (K0 * D,), whole, bias(K0, repeat))
     if cfg.qk_norm:
-        table["q_norm"] = (attn + "q_norm.weight", (D,), same)
-        table["k_norm"] = (attn + "k_norm.weight", (D,), same)
+        table["q_norm"] = (attn + "q_norm.weight", (D,), whole, same)
+        table["k_norm"] = (attn + "k_norm.weight", (D,), whole, same)
     return table
 
 
-def _host_params(
-    ckpt: SafetensorsIndex, cfg: ModelConfig, stage: StageConfig, tp: int, dtype: np.dtype
-) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (runner name, host array in runner layout), one parameter at a time, largest first.
+# The most bytes of a checkpoint tensor that loading reads (and converts) at a time: the transient
+# memory of loading a stage, besides the stage's own parameters, is about twice this.
+CHUNK_BYTES = 4 << 20
 
-    Yielded arrays may be views into the mapped files; the caller copies them to the device
-    before asking for the next one (their pages are released then).
+# A piece of a runner parameter: (where, as one slice per dimension; its values).
+Piece = tuple[tuple[slice, ...], np.ndarray]
+
+
+def _chunks(
+    ckpt: SafetensorsIndex, hf_name: str, hf_shape: tuple[int, ...], unit: int, convert: Converter, prefix=()
+) -> Iterator[Piece]:
+    """``hf_name`` in chunks of whole ``unit`` rows, each converted and placed after ``prefix``.
+
+    Each chunk's pages are released once the caller has copied it (when asked for the next).
+    """
+    tensor = ckpt.read(hf_name, hf_shape)
+    rows = hf_shape[0]
+    row_bytes = max(1, tensor.nbytes // max(1, rows))
+    step = rows if unit >= rows else max(unit, CHUNK_BYTES // row_bytes // unit * unit)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        where, values = convert(tensor[r0:r1], r0, r1)
+        yield (*prefix, *where), values
+        ckpt.release(hf_name, (r0, r1))
+
+
+def _host_params(
+    ckpt: SafetensorsIndex, cfg: ModelConfig, stage: StageConfig, tp: int
+) -> Iterator[tuple[str, Iterator[Piece]]]:
+    """Yield (runner name, its pieces in runner layout), one parameter at a time, largest first.
+
+    The pieces of a parameter cover it exactly once. They may be views into the mapped files;
+    the caller copies each before asking for the next one (its pages are released then).
     """
     V, E = cfg.vocab_size, cfg.hidden_size
+
+    def rows(w, r0, r1):
+        return (slice(r0, r1),), w
+
+    def columns(w, r0, r1):  # [V, E] rows -> [E, V] columns
+        return (slice(None), slice(r0, r1)), w.T
+
     if stage.has_embedding(cfg):
-        yield "embed", ckpt.read("model.embed_tokens.weight", (V, E))
-        ckpt.release("model.embed_tokens.weight")
+        yield "embed", _chunks(ckpt, "model.embed_tokens.weight", (V, E), 1, rows)
     if stage.is_last and not cfg.tie_word_embeddings:
-        yield "lm_head", ckpt.read("lm_head.weight", (V, E)).T
-        ckpt.release("lm_head.weight")
+        yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), 1, columns)
     layers = stage.layer_range(cfg)
-    for name, (template, hf_shape, convert) in _hf_layer_tensors(cfg, tp).items():
-        stacked = None
-        for i, layer in enumerate(layers):
-            hf_name = template.format(i=layer)
-            converted = convert(ckpt.read(hf_name, hf_shape))
-            if stacked is None:
-                stacked = np.empty((len(layers), *converted.shape), dtype)
-            stacked[i] = converted
-            ckpt.release(hf_name)
-        yield f"layers.{name}", stacked
+    for name, (template, hf_shape, unit, convert) in _hf_layer_tensors(cfg, tp).items():
+        pieces = (
+            piece
+            for i, layer in enumerate(layers)
+            for piece in _chunks(ckpt, template.format(i=layer), hf_shape, unit, convert, (slice(i, i + 1),))
+        )
+        yield f"layers.{name}", pieces
     if stage.is_last:
-        yield "final_norm", np.array(ckpt.read("model.norm.weight", (E,)))
+        yield "final_norm", _chunks(ckpt, "model.norm.weight", (E,), E, lambda w, r0, r1: ((), w))
+
+
+def _page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised host array starting on a page boundary.
+
+    The CPU backend adopts such an array as the device buffer instead of copying it (it needs
+    64-byte alignment; numpy gives 16), so on CPU a parameter is never held twice.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + mmap.PAGESIZE, np.uint8)
+    offset = -raw.ctypes.data % mmap.PAGESIZE
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _bounds(where: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, stop) per dimension of ``where`` (missing trailing dimensions are whole)."""
+    return [(where[d] if d < len(where) else slice(None)).indices(n)[:2] for d, n in enumerate(shape)]
+
+
+def _place(name: str, pieces: Iterator[Piece], shape: tuple[int, ...], dtype: np.dtype, sharding) -> jax.Array:
+    """Assemble a parameter on its devices from ``pieces``, one piece in flight at a time.
+
+    Each device's shard is filled in a host buffer and then handed to the device: on CPU that
+    buffer becomes the device buffer (no copy), elsewhere it is copied and dropped.
+    """
+    indices = sharding.addressable_devices_indices_map(shape)
+    shards = {device: _bounds(index, shape) for device, index in indices.items()}
+    buffers = {device: _page_aligned_empty(tuple(b - a for a, b in box), dtype) for device, box in shards.items()}
+    filled = dict.fromkeys(shards, 0)
+    for where, values in pieces:
+        piece = _bounds(where, shape)
+        values = values.reshape([b - a for a, b in piece])
+        for device, box in shards.items():
+            common = [(max(p0, s0), min(p1, s1)) for (p0, p1), (s0, s1) in zip(piece, box, strict=True)]
+            if any(lo >= hi for lo, hi in common):
+                continue
+            into_shard = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(common, box, strict=True))
+            into_piece = tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(common, piece, strict=True))
+            buffers[device][into_shard] = values[into_piece]
+            filled[device] += int(np.prod([hi - lo for lo, hi in common]))
+        del values  # the chunk can go before the next one is read
+    for device, buffer in buffers.items():  # every element written (the buffers start uninitialised)
+        assert filled[device] == buffer.size, (name, device, filled[device], buffer.size)
+    arrays = [jax.device_put(buffer, device, may_alias=True) for device, buffer in buffers.items()]
+    del buffers
+    out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    out.block_until_ready()
+    return out
 
 
 def load_stage_params(path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh) -> dict[str, jax.Array]:
@@ -186,13 +286,10 @@ def load_stage_params(path: str | Path, cfg: ModelConfig, stage: StageConfig, me
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     params = {}
     with SafetensorsIndex(path) as ckpt:
-        for name, host in _host_params(ckpt, cfg, stage, tp, dtype):
+        for name, pieces in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
-            assert host.shape == spec.shape, (name, host.shape, spec.shape)
             sharding = logical_sharding(mesh, spec.logical_axes, RULES)
-            params[name] = jax.device_put(host.astype(dtype, copy=False), sharding)
-            params[name].block_until_ready()  # the host copy (or mapped pages) can go now
-            del host
+            params[name] = _place(name, pieces, tuple(spec.shape), dtype, sharding)
     missing = set(specs) - set(params)
     assert not missing, missing
     log.info(
