@@ -25,8 +25,6 @@ KV_BLOCKS = 65
 
 def probe(path: str, rank: int, size: int) -> None:
     """The body of one probe process: prints one JSON line."""
-    import resource
-
     import jax
     import numpy as np
 
@@ -36,7 +34,10 @@ def probe(path: str, rank: int, size: int) -> None:
     from pipejax.worker import StageWorker, WorkerConfig
 
     def peak() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        """This process's own RSS high-water mark (VmHWM starts afresh at exec; getrusage's ru_maxrss
+        carries over exec from the spawning process, so a bigger parent would hide the growth)."""
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
     jax.device_put(jax.numpy.zeros(1)).block_until_ready()
     base = peak()
