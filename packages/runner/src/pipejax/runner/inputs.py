@@ -65,6 +65,11 @@ class Buckets:
         P = pick(self.prefill_rows, len(prefill), "prefill requests in the step") if prefill else 0
         Q = min(pick(self.query, max(prefill), "query tokens of one request"), T) if prefill else 1
         Rd = pick(self.rows, num_decode, "decode requests in the step") if num_decode else 0
+        if prefill and num_decode:
+            # Mixed step: the decode group takes the largest bucket. Its attention is cheap next to the
+            # prefill's, and mixed shapes then vary only as the prefill group does (which requests mix
+            # in a step depends on timing, so every extra combination would compile in the middle of a run).
+            Rd = self.rows[-1]
         needed = max(math.ceil(r.end_position / block_size) for r in reqs)
         B = pick(self.blocks, needed, "KV blocks of one request")
         return StepShape(T, P, Q, Rd, B)
