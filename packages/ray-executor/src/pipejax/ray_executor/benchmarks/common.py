@@ -130,6 +130,13 @@ def cpu_seconds() -> float:
     return t.user + t.system
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` so far, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 # --- the section entry point -------------------------------------------------------------------
 
 

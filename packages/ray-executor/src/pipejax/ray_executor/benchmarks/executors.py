@@ -26,6 +26,7 @@ from pipejax.ray_executor.benchmarks.common import (
     bench_model,
     cpu_seconds,
     engine_kwargs,
+    process_cpu_seconds,
     prompts,
     section_main,
     self_profile,
@@ -103,13 +104,6 @@ def cg_wait_probe(steps: int = 10) -> dict[str, float]:
     finally:
         ctx.get_timeout, ctx.submit_timeout, ctx.read_iteration_timeout = saved
     return out
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of process ``pid`` so far, from /proc (Linux)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Measured:

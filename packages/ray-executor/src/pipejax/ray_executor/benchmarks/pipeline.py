@@ -1,13 +1,16 @@
 """pp=2 throughput with two batches in flight (the batch queue) next to the same engine with one.
 
-One pp=2 tp=1 in-process engine (two stage threads on two simulated CPU devices) runs the headline
-workload (64 requests x 128 in x 64 out); between runs its batch queue is capped at 2 or 1
-(``max_batches_in_flight``), so both settings share the compiled code and alternate under the same
-machine load (at most two pairs of runs, for time). Next to each run: the CPU cores the process
-kept busy (CPU seconds / wall seconds) and how busy the whole machine was, which say whether
-overlapping the stages could still add compute. (The stages' step trace cannot say how busy each
-stage was: JAX dispatches asynchronously, so stage 0's step returns before its computation ends
-and stage 1's step includes waiting for it.)
+The headline workload (64 requests x 128 in x 64 out) on two pp=2 tp=1 engines, one after the other:
+
+- ``own cores`` (the headline): the Ray executor with ``pin_stage_cpus``, so each stage actor runs
+  on its own half of the machine's cores, as each stage would own its chips;
+- ``shared cores``: the in-process executor, two stage threads whose XLA computations share all the
+  cores: pipelining can then only fill the gaps the host-side work leaves.
+
+Between runs an engine's batch queue is capped at 2 or 1 (``max_batches_in_flight``), so both
+settings share compiled code and alternate under the same load (at most two pairs of runs per
+engine, for time). Next to each run: the cores the engine's processes kept busy (CPU seconds / wall
+seconds) and how busy the whole machine was.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pipejax.ray_executor.benchmarks.common import (
     CpuMeter,
     bench_model,
     engine_kwargs,
+    process_cpu_seconds,
     prompts,
     section_main,
     self_profile,
@@ -34,7 +38,6 @@ from pipejax.ray_executor.benchmarks.throughput import pipejax_run
 
 GOAL = 1.6
 MAX_REPEATS = 2  # pairs of headline runs (each ~30-60 s here): the report's time budget
-WARMUP_OUTPUT_LEN = 8
 
 
 def set_depth(llm, depth: int) -> None:
@@ -44,46 +47,67 @@ def set_depth(llm, depth: int) -> None:
     assert executor.max_concurrent_batches == depth
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipejax.ray_executor.llm import LLM
+def engine_pids(llm) -> list[int]:
+    """The driver, and the stage actors' processes when the engine runs on Ray."""
+    return [os.getpid()] + [p["pid"] for p in getattr(llm.engine.executor, "placement", [])]
 
-    llm = LLM(bench_model(), pipeline_parallel_size=2, distributed_executor_backend="uni", warmup=False,
-              **engine_kwargs())
-    all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
+
+def measure(llm, all_prompts, repeats: int) -> dict[str, Any]:
     start = time.perf_counter()
-    for depth in (2, 1):  # compile the shapes each setting meets (2 in flight: two batches of 32 rows); 8 output
-        set_depth(llm, depth)  # tokens meet the same shapes as 64 (the context stays in one block bucket)
-        pipejax_run(llm, all_prompts, WARMUP_OUTPUT_LEN)
+    for depth in (2, 1):  # compile the shapes each setting meets: the whole workload once (with fewer output
+        set_depth(llm, depth)  # tokens, requests finish among others' prefills and the steps mix differently)
+        pipejax_run(llm, all_prompts)
     warm_s = time.perf_counter() - start
     tps: dict[int, list[float]] = {2: [], 1: []}
     cores: dict[int, list[float]] = {2: [], 1: []}
     machine: dict[int, list[float]] = {2: [], 1: []}
-    compiled_before = [len(w.runner.compiled_shapes) for w in llm.engine.executor.workers]
-    for r in range(min(args.repeats, MAX_REPEATS)):
+    pids = engine_pids(llm)
+    for r in range(min(repeats, MAX_REPEATS)):
         for depth in (2, 1) if r % 2 == 0 else (1, 2):
             set_depth(llm, depth)
             meter = CpuMeter().start()
+            cpu = sum(process_cpu_seconds(p) for p in pids)
             t = pipejax_run(llm, all_prompts)
             used = meter.stop()
-            cores[depth].append(used["cores"])
+            cores[depth].append((sum(process_cpu_seconds(p) for p in pids) - cpu) / t)
             machine[depth].append(used["machine_busy"])
             tps[depth].append(NUM_PROMPTS * OUTPUT_LEN / t)
-    compiled_after = [len(w.runner.compiled_shapes) for w in llm.engine.executor.workers]
-    result: dict[str, Any] = {
+    return {
         "tps": {d: summary(v) for d, v in tps.items()},
         "ratio": summary([a / b for a, b in zip(tps[2], tps[1], strict=True)]),
         "cores_busy": {d: summary(v) for d, v in cores.items()},
         "machine_busy": {d: summary(v) for d, v in machine.items()},
-        "cpus": os.cpu_count(),
         "warm_runs_s": warm_s,
-        "shapes_compiled_during_timed_runs": sum(compiled_after) - sum(compiled_before),
     }
-    if args.profile_dir and result["ratio"]["median"] < GOAL:
-        set_depth(llm, 2)
-        with self_profile(f"{args.profile_dir}/pipeline.pyspy.txt") as prof:
-            pipejax_run(llm, all_prompts)
-        result["profile"] = prof.summary()
-    llm.shutdown()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pipejax.ray_executor.llm import LLM
+
+    variants = {
+        "own cores": dict(distributed_executor_backend="ray", pin_stage_cpus=True),
+        "shared cores": dict(distributed_executor_backend="uni"),
+    }
+    result: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "variants": {}}
+    for name, kwargs in variants.items():
+        llm = LLM(bench_model(), pipeline_parallel_size=2, warmup=False, **kwargs, **engine_kwargs())
+        all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
+        workers = getattr(llm.engine.executor, "workers", None)
+        compiled_before = [len(w.runner.compiled_shapes) for w in workers] if workers else None
+        v = measure(llm, all_prompts, args.repeats)
+        if workers:
+            v["shapes_compiled_during_timed_runs"] = sum(len(w.runner.compiled_shapes) for w in workers) - sum(
+                compiled_before)
+        if name == "shared cores" and args.profile_dir and v["ratio"]["median"] < GOAL:
+            set_depth(llm, 2)
+            with self_profile(f"{args.profile_dir}/pipeline.pyspy.txt") as prof:
+                pipejax_run(llm, all_prompts)
+            v["profile"] = prof.summary()
+        llm.shutdown()
+        result["variants"][name] = v
+    result.update({k: result["variants"]["own cores"][k] for k in ("tps", "ratio", "cores_busy", "machine_busy")})
+    if "profile" in result["variants"]["shared cores"]:
+        result["profile"] = result["variants"]["shared cores"].pop("profile")
     return result
 
 
