@@ -11,6 +11,8 @@ import numpy as np
 from pipejax.runner.batch import ModelBatch
 from pipejax.runner.model import StepInputs, StepShape
 
+MIN_PREFILL_SLOTS = 512  # prefill rows x query slots a step pads up to (see Buckets.shape_of)
+
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     out, x = [], lo
@@ -62,8 +64,11 @@ class Buckets:
         T = pick(self.tokens, batch.num_tokens, "tokens in the step")
         prefill = [len(r.token_ids) for r in reqs if len(r.token_ids) > 1]
         num_decode = len(reqs) - len(prefill)
-        P = pick(self.prefill_rows, len(prefill), "prefill requests in the step") if prefill else 0
         Q = min(pick(self.query, max(prefill), "query tokens of one request"), T) if prefill else 1
+        # Short chunks pad their row count up to MIN_PREFILL_SLOTS query slots: the dense block stays
+        # small, and far fewer (rows, query) pairs exist to compile when timing decides the mix.
+        P = pick(self.prefill_rows, max(len(prefill), min(MIN_PREFILL_SLOTS // Q, self.prefill_rows[-1])),
+                 "prefill requests in the step") if prefill else 0
         Rd = pick(self.rows, num_decode, "decode requests in the step") if num_decode else 0
         if prefill and num_decode:
             # Mixed step: the decode group takes the largest bucket. Its attention is cheap next to the

@@ -1,0 +1,50 @@
+"""Step shapes and the padded inputs of a ragged batch (host side only)."""
+
+import numpy as np
+import pytest
+
+from pipejax.runner.batch import ModelBatch, ScheduledRequest
+from pipejax.runner.inputs import MIN_PREFILL_SLOTS, Buckets, build_step_inputs
+from pipejax.runner.model import StepShape
+
+BLOCK = 16
+BUCKETS = Buckets.make(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024, block_size=BLOCK)
+
+
+def request(i: int, n: int, start: int) -> ScheduledRequest:
+    blocks = -(-(start + n) // BLOCK)
+    return ScheduledRequest(f"r{i}", tuple(range(1, n + 1)), start, tuple(range(1 + 100 * i, 1 + 100 * i + blocks)))
+
+
+def test_decode_only_step_has_no_prefill_group():
+    batch = ModelBatch(0, tuple(request(i, 1, 40) for i in range(5)))
+    assert BUCKETS.shape_of(batch, BLOCK) == StepShape(tokens=16, prefill_rows=0, query=1, decode_rows=8, blocks=4)
+
+
+def test_mixed_step_pads_decode_group_to_the_largest_bucket_and_short_chunks_to_min_slots():
+    reqs = (request(0, 1, 40), request(1, 100, 0), request(2, 1, 70), request(3, 30, 16))
+    shape = BUCKETS.shape_of(ModelBatch(0, reqs), BLOCK)
+    assert shape == StepShape(tokens=256, prefill_rows=MIN_PREFILL_SLOTS // 128, query=128, decode_rows=64, blocks=8)
+
+    inp = build_step_inputs(ModelBatch(0, reqs), shape, BLOCK)
+    P, Q = shape.prefill_rows, shape.query
+    # prefill requests take attention rows 0, 1 in order; decode requests rows P, P + 1
+    assert list(inp.row_query_start[[0, 1, P, P + 1]]) == [1, 102, 0, 101]
+    assert list(inp.row_start_pos[[0, 1, P, P + 1]]) == [0, 16, 40, 70]
+    # each token's attention output: prefill row r, column c -> r * Q + c; decode row d -> P * Q + d
+    assert inp.token_out[0] == P * Q and inp.token_out[101] == P * Q + 1
+    assert list(inp.token_out[1:4]) == [0, 1, 2] and list(inp.token_out[102:104]) == [Q, Q + 1]
+    # logits rows stay in the batch's request order
+    assert list(inp.sample_index[:4]) == [0, 100, 101, 131]
+    assert np.all(inp.block_tables[P, :3] == [1, 2, 3])
+
+
+def test_long_prompt_is_not_padded_to_more_rows():
+    shape = BUCKETS.shape_of(ModelBatch(0, (request(0, 500, 0),)), BLOCK)
+    assert (shape.prefill_rows, shape.query, shape.decode_rows) == (1, 512, 0)
+
+
+def test_more_prefill_requests_than_the_largest_bucket_is_an_error():
+    small = Buckets.make(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=1024, block_size=BLOCK)
+    with pytest.raises(ValueError, match="prefill requests in the step=5 exceeds the largest bucket 4"):
+        small.shape_of(ModelBatch(0, tuple(request(i, 2, 0) for i in range(5))), BLOCK)
