@@ -52,12 +52,19 @@ def engine_pids(llm) -> list[int]:
     return [os.getpid()] + [p["pid"] for p in getattr(llm.engine.executor, "placement", [])]
 
 
+def compiled_shapes(llm) -> int | None:
+    """Step shapes the in-process engine's stages have compiled so far (None: not visible, e.g. on Ray)."""
+    workers = getattr(llm.engine.executor, "workers", None)
+    return sum(len(w.runner.compiled_shapes) for w in workers) if workers else None
+
+
 def measure(llm, all_prompts, repeats: int) -> dict[str, Any]:
     start = time.perf_counter()
     for depth in (2, 1):  # compile the shapes each setting meets: the whole workload once (with fewer output
         set_depth(llm, depth)  # tokens, requests finish among others' prefills and the steps mix differently)
         pipejax_run(llm, all_prompts)
     warm_s = time.perf_counter() - start
+    compiled_before = compiled_shapes(llm)
     tps: dict[int, list[float]] = {2: [], 1: []}
     cores: dict[int, list[float]] = {2: [], 1: []}
     machine: dict[int, list[float]] = {2: [], 1: []}
@@ -72,13 +79,16 @@ def measure(llm, all_prompts, repeats: int) -> dict[str, Any]:
             cores[depth].append((sum(process_cpu_seconds(p) for p in pids) - cpu) / t)
             machine[depth].append(used["machine_busy"])
             tps[depth].append(NUM_PROMPTS * OUTPUT_LEN / t)
-    return {
+    out = {
         "tps": {d: summary(v) for d, v in tps.items()},
         "ratio": summary([a / b for a, b in zip(tps[2], tps[1], strict=True)]),
         "cores_busy": {d: summary(v) for d, v in cores.items()},
         "machine_busy": {d: summary(v) for d, v in machine.items()},
         "warm_runs_s": warm_s,
     }
+    if compiled_before is not None:
+        out["shapes_compiled_during_timed_runs"] = compiled_shapes(llm) - compiled_before
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -92,12 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, kwargs in variants.items():
         llm = LLM(bench_model(), pipeline_parallel_size=2, warmup=False, **kwargs, **engine_kwargs())
         all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
-        workers = getattr(llm.engine.executor, "workers", None)
-        compiled_before = [len(w.runner.compiled_shapes) for w in workers] if workers else None
         v = measure(llm, all_prompts, args.repeats)
-        if workers:
-            v["shapes_compiled_during_timed_runs"] = sum(len(w.runner.compiled_shapes) for w in workers) - sum(
-                compiled_before)
         if name == "shared cores" and args.profile_dir and v["ratio"]["median"] < GOAL:
             set_depth(llm, 2)
             with self_profile(f"{args.profile_dir}/pipeline.pyspy.txt") as prof:
