@@ -275,7 +275,9 @@ def test_engine_killed_fails_its_requests_and_the_other_keeps_serving(server):
     assert status == 503 and body["status"] == "degraded"
     assert body["engines"][1]["alive"] is False and "data-parallel engine 1" in body["engines"][1]["error"]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    for _ in range(3):  # the survivor takes everything
-        assert client.completions.create(model="builtin", prompt="after", max_tokens=3).usage.completion_tokens == 3
+    for _ in range(3):  # the survivor takes everything (ignore_eos: a sampled EOS would end a request early)
+        after = client.completions.create(model="builtin", prompt="after", max_tokens=3, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert after.usage.completion_tokens == 3
     resp = post(server, "/v1/completions", '{"prompt": "x", "max_tokens": 2}', **{"X-data-parallel-rank": "1"})
     assert resp.status_code == 503 and "data-parallel engine 1" in resp.json()["error"]["message"]
