@@ -81,27 +81,42 @@ def configure_devices(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 1)}".strip()
 
 
-def _llm(args: argparse.Namespace, **extra):
-    from pipejax.ray_executor.llm import LLM
+def engine_config_from_args(args: argparse.Namespace, backend: str | None = None, **overrides):
+    """The ``EngineConfig`` the engine arguments (``_add_engine_args``) describe; the one mapping that
+    ``generate``, ``bench throughput`` and ``serve`` share. ``backend`` overrides the executor backend."""
+    from pipejax.pp_utils import ParallelConfig
+    from pipejax.ray_executor.config import EngineConfig
+    from pipejax.ray_executor.llm import resolve_model
+    from pipejax.runner.config import CacheConfig
 
-    return LLM(
-        args.model,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pp_layer_partition=args.pp_layer_partition,
-        distributed_executor_backend=args.distributed_executor_backend,
+    return EngineConfig(
+        model=resolve_model(args.model),
+        parallel=ParallelConfig(
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pp_layer_partition=args.pp_layer_partition,
+            distributed_executor_backend=backend or args.distributed_executor_backend,
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
         dtype=args.dtype,
         seed=args.seed,
         model_impl=args.model_impl,
         ray_compiled_graph=args.ray_compiled_graph,
         pin_stage_cpus=args.pin_stage_cpus,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        **extra,
+        **overrides,
     )
+
+
+def _llm(args: argparse.Namespace, warmup: bool = True):
+    from pipejax.ray_executor.llm import LLM
+
+    return LLM.from_config(engine_config_from_args(args), warmup=warmup)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

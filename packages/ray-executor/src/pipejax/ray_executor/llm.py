@@ -79,6 +79,16 @@ class LLM:
             pin_stage_cpus=pin_stage_cpus,
             max_batches_in_flight=max_batches_in_flight,
         )
+        self._start(config, warmup)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, warmup: bool = True) -> LLM:
+        """An ``LLM`` over an ``EngineConfig`` built elsewhere (the CLI's arguments, a server's)."""
+        llm = cls.__new__(cls)
+        llm._start(config, warmup)
+        return llm
+
+    def _start(self, config: EngineConfig, warmup: bool) -> None:
         self.engine = LLMEngine(config)
         if warmup:  # compile the common buckets now rather than during the first requests
             self.engine.executor.warmup()

@@ -69,12 +69,15 @@ class Buckets:
         # small, and far fewer (rows, query) pairs exist to compile when timing decides the mix.
         P = pick(self.prefill_rows, max(len(prefill), min(MIN_PREFILL_SLOTS // Q, self.prefill_rows[-1])),
                  "prefill requests in the step") if prefill else 0
-        Rd = pick(self.rows, num_decode, "decode requests in the step") if num_decode else 0
-        if prefill and num_decode:
+        if not num_decode:
+            Rd = 0
+        elif prefill:
             # Mixed step: the decode group takes the largest bucket. Its attention is cheap next to the
             # prefill's, and mixed shapes then vary only as the prefill group does (which requests mix
             # in a step depends on timing, so every extra combination would compile in the middle of a run).
             Rd = self.rows[-1]
+        else:
+            Rd = pick(self.rows, num_decode, "decode requests in the step")
         needed = max(math.ceil(r.end_position / block_size) for r in reqs)
         B = pick(self.blocks, needed, "KV blocks of one request")
         return StepShape(T, P, Q, Rd, B)

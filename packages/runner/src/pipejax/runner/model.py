@@ -234,7 +234,7 @@ def paged_attention(
     sliding_window: int | None,
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D]."""
-    T, H, D = q.shape
+    _, H, D = q.shape
     P = shape.prefill_rows
     k_layer, v_layer = k_cache[layer], v_cache[layer]
     parts = []

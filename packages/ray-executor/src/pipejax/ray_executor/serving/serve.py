@@ -34,10 +34,7 @@ WATCH_INTERVAL_S = 0.5
 
 
 def engine_config(args: argparse.Namespace):
-    from pipejax.pp_utils import ParallelConfig
-    from pipejax.ray_executor.config import EngineConfig
-    from pipejax.ray_executor.llm import resolve_model
-    from pipejax.runner.config import CacheConfig
+    from pipejax.ray_executor.cli import engine_config_from_args
 
     backend = args.distributed_executor_backend
     if args.data_parallel_backend == "ray":
@@ -45,28 +42,7 @@ def engine_config(args: argparse.Namespace):
             raise ValueError("-dpb ray runs every engine's stages as Ray actors; --distributed-executor-backend uni "
                              "is for -dpb mp (engines as local processes)")
         backend = "ray"
-    return EngineConfig(
-        model=resolve_model(args.model),
-        parallel=ParallelConfig(
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pp_layer_partition=args.pp_layer_partition,
-            distributed_executor_backend=backend,
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_kv_blocks,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        ),
-        dtype=args.dtype,
-        seed=args.seed,
-        model_impl=args.model_impl,
-        ray_compiled_graph=args.ray_compiled_graph,
-        pin_stage_cpus=args.pin_stage_cpus,
-        placement_timeout_s=args.placement_timeout,
-    )
+    return engine_config_from_args(args, backend, placement_timeout_s=args.placement_timeout)
 
 
 def check_args(args: argparse.Namespace) -> None:
