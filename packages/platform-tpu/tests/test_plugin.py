@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipejax.platform_tpu import PLATFORM_CLASS, TpuPlatform, plugin
+from pipejax.platform_tpu.plugin import VLLM_PLATFORM_CLASS
 
 PACKAGES = Path(__file__).resolve().parents[2]
 
@@ -34,7 +35,7 @@ def test_vllm_registration_applies_only_when_asked_or_tpus_are_seen(tmp_path, mo
     (tmp_path / "dev2" / "accel0").write_text("")
     assert plugin.applies({}, sys_root=roots["sys_root"], dev_root=str(tmp_path / "dev2"))
     monkeypatch.setenv("PIPEJAX_PLATFORM", "tpu")
-    assert plugin.register_vllm() == plugin.register_vllm() == PLATFORM_CLASS
+    assert plugin.register_vllm() == plugin.register_vllm() == VLLM_PLATFORM_CLASS
     monkeypatch.setattr(plugin, "applies", lambda: False)
     assert plugin.register_vllm() is None
 
@@ -117,7 +118,7 @@ def test_entry_points_in_a_venv_holding_only_this_package(tmp_path):
     got = json.loads(out.stdout)
     assert got["dists"] == ["pipejax-platform-tpu", "pipejax-pp-utils", "pipejax-runner", "pipejax-worker"]
     assert got["entry_point"] == ["tpu", "pipejax.platform_tpu.plugin:register", PLATFORM_CLASS]
-    assert got["vllm"] == ["pipejax_tpu", "pipejax.platform_tpu.plugin:register_vllm", PLATFORM_CLASS]
+    assert got["vllm"] == ["pipejax_tpu", "pipejax.platform_tpu.plugin:register_vllm", VLLM_PLATFORM_CLASS]
     assert got["backend"] == "uni"
     assert got["stage_env"] == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert got["jax_loaded"] is False

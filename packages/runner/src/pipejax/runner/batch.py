@@ -105,10 +105,12 @@ class ModelBatch:
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-    """Logprob of the sampled token and the top-N alternatives (token id, logprob), best first."""
+    """Logprob of the sampled token, the top-N alternatives (token id, logprob), best first, and the
+    sampled token's rank in the whole vocabulary (1 = the most likely)."""
 
     sampled: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

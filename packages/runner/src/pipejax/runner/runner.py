@@ -53,19 +53,17 @@ class StageRunner:
         self.max_model_len = min(
             cache.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
         )
-        if cache.num_blocks is None:
-            raise ValueError("StageRunner needs an explicit CacheConfig.num_blocks (the worker sizes it from memory)")
         self.cache_config = cache
         self.block_size = cache.block_size
-        self.num_blocks = cache.num_blocks
         self.buckets = Buckets.make(
             cache.max_num_batched_tokens, cache.max_num_seqs, self.max_model_len, self.block_size
         )
         self.seed = seed
         self.impl = get_model_impl(model_impl)
         self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
-        self.kv_cache = self._allocate_kv_cache()
         self.compiled_shapes: set[tuple] = set()
+        self.num_blocks = 0
+        self.kv_cache: tuple[jax.Array, jax.Array] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._step = jax.jit(
             functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
@@ -73,8 +71,30 @@ class StageRunner:
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),
         )
+        if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
+            self.allocate_kv_cache(cache.num_blocks)
 
     # --- KV cache ---------------------------------------------------------------------------
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate (or replace) the paged KV cache: ``num_blocks`` blocks, block 0 reserved for padding."""
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is reserved for padding)")
+        self.kv_cache = None  # free the old cache first
+        self.num_blocks = num_blocks
+        self.kv_cache = self._allocate_kv_cache()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (a host's copy-on-write of a shared block)."""
+        if not pairs:
+            return
+        src, dst = (np.asarray(x, np.int32) for x in zip(*pairs, strict=True))
+        self.kv_cache = _copy_blocks(self._require_cache(), src, dst)
+
+    def _require_cache(self) -> tuple[jax.Array, jax.Array]:
+        if self.kv_cache is None:
+            raise RuntimeError(f"stage {self.stage.pp_rank}: allocate_kv_cache(num_blocks) before executing")
+        return self.kv_cache
 
     def _cache_shardings(self):
         spec = kv_cache_spec(self.cfg, self.stage, self.tp, self.num_blocks, self.block_size)
@@ -126,7 +146,7 @@ class StageRunner:
                 len(self.compiled_shapes),
                 self.buckets.count(),
             )
-        out, self.kv_cache = self._step(self.params, self.kv_cache, inputs, hidden_in, shape=shape)
+        out, self.kv_cache = self._step(self.params, self._require_cache(), inputs, hidden_in, shape=shape)
         return out, shape
 
     def execute(
@@ -158,6 +178,12 @@ class StageRunner:
             token_ids=tuple(out.token_ids[i] for i in keep),
             logprobs=tuple(out.logprobs[i] for i in keep),
         )
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_blocks(kv: tuple[jax.Array, jax.Array], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """kv: ([L, blocks, block_size, K, D], same); blocks ``dst[i]`` take the contents of ``src[i]``."""
+    return tuple(c.at[:, dst].set(c[:, src]) for c in kv)
 
 
 def blocks_for_memory(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int, budget_bytes: int) -> int:

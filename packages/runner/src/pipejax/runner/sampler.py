@@ -84,6 +84,7 @@ class SampleResult(NamedTuple):
     sampled_logprob: jax.Array  # f32[R], raw logprob of the chosen token
     top_ids: jax.Array  # i32[R, N], best first
     top_logprobs: jax.Array  # f32[R, N]
+    sampled_rank: jax.Array  # i32[R], 1 + how many tokens have a larger logit than the chosen one
 
 
 def _ordered_bits(x: jax.Array) -> jax.Array:
@@ -184,13 +185,15 @@ def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int) -> Sam
     )
 
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
-    sampled_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
+    sampled_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    sampled_logprob = sampled_logit - log_norm
+    sampled_rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
     if num_logprobs > 0:
         top_values, top_ids = jax.lax.top_k(logits, num_logprobs)  # [R, N]
     else:
         top_values, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0))
     top_logprobs = (top_values - log_norm[:, None]).astype(jnp.float32)
-    return SampleResult(tokens, sampled_logprob, top_ids.astype(jnp.int32), top_logprobs)
+    return SampleResult(tokens, sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, sampled_rank)
 
 
 sample = jax.jit(_sample, static_argnames=("num_logprobs",))
@@ -228,7 +231,7 @@ def to_sampler_output(
             f"call sample() with num_logprobs >= {max(wanted)}"
         )
     if wanted:
-        tokens, sampled, top_ids, top_logprobs = jax.device_get(tuple(result))
+        tokens, sampled, top_ids, top_logprobs, ranks = jax.device_get(tuple(result))
     else:
         tokens = jax.device_get(result.tokens)
     tokens = np.asarray(tokens)[:num_rows_used].tolist()
@@ -239,7 +242,7 @@ def to_sampler_output(
             logprobs.append(None)
             continue
         top = tuple(zip(top_ids[row, :n].tolist(), top_logprobs[row, :n].tolist(), strict=True))
-        logprobs.append(TokenLogprobs(sampled=float(sampled[row]), top=top))
+        logprobs.append(TokenLogprobs(sampled=float(sampled[row]), top=top, rank=int(ranks[row])))
     return SamplerOutput(
         step_id=step_id,
         request_ids=tuple(request_ids),

@@ -85,6 +85,7 @@ class StageWorker:
     ):
         """``devices``: the stage's TP devices (default: the first ``tp_size`` of this process).
         ``recv``/``send``: transports to the previous/next stage (None on the first/last)."""
+        created = time.time()
         self.config = config
         self.stage = config.stage
         if config.compilation_cache_dir:
@@ -102,6 +103,9 @@ class StageWorker:
         self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
         self.runner: StageRunner | None = None
         self.trace: list[tuple[int, int, float, float]] = []  # (pp_rank, step_id, start, end)
+        self.bytes_sent = 0  # activation bytes sent to the next stage
+        # wall-clock (start, end) of each set-up phase that ran: "init", "load", "warmup"
+        self.setup_times: dict[str, tuple[float, float]] = {"init": (created, time.time())}
 
     # --- set-up, in the order an executor calls it ------------------------------------------
 
@@ -121,14 +125,22 @@ class StageWorker:
         useful = 1 + cache.max_num_seqs * math.ceil(max_len / cache.block_size)
         return max(2, min(useful, int(free * cache.memory_fraction // per_block)))
 
-    def load(self, num_blocks: int) -> None:
-        """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage)."""
+    def load(self, num_blocks: int | None) -> None:
+        """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage);
+        ``None`` loads only the weights (``allocate_kv_cache`` follows, sized with them in memory)."""
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
         start = time.perf_counter()
         self.runner = StageRunner(
             self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed, self.config.model_impl
         )
-        log.info("stage %d loaded in %.1fs (%d KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
+        log.info("stage %d loaded in %.1fs (%s KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._require_runner().allocate_kv_cache(num_blocks)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block (all the stage's layers, K and V) takes on each of the stage's devices."""
+        return kv_bytes_per_block(self.model_config, self.stage, self.config.tp_size, self.config.cache.block_size)
 
     def warmup_batches(self, max_shapes: int = 12) -> list[ModelBatch]:
         """Dummy batches covering the common buckets: decode at every row bucket, prefill at every token bucket."""
@@ -150,9 +162,10 @@ class StageWorker:
 
     def warmup(self, batches: Sequence[ModelBatch], progress: bool = True) -> float:
         """Compile ``batches``' shapes by running them."""
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         for batch in tqdm(batches, desc=f"compile stage {self.stage.pp_rank}", disable=not progress, leave=False):
             self.execute_model(batch)
+        self.setup_times["warmup"] = (started, time.time())
         return time.perf_counter() - start
 
     # --- the step -------------------------------------------------------------------------------
@@ -168,12 +181,27 @@ class StageWorker:
         if not self.stage.is_last:
             assert self.send is not None, "a non-last stage needs a send transport"
             self.send.send(batch.step_id, out)
+            self.bytes_sent += sum(int(v.nbytes) for v in out.values())
             out = None
         if batch.step_id < WARMUP_STEP_BASE:
             self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
 
-    # --- introspection --------------------------------------------------------------------------
+    # --- introspection (what an executor's collective_rpc reads) ----------------------------------
+
+    def step_trace(self) -> list[tuple[int, int, float, float]]:
+        """(pp_rank, step_id, start, end) of the traced steps (warm-up steps are not traced)."""
+        return list(self.trace)
+
+    def activation_bytes_sent(self) -> int:
+        return self.bytes_sent
+
+    def num_compiled_shapes(self) -> int:
+        """Step shapes this stage has compiled so far (warm-up included)."""
+        return len(self._require_runner().compiled_shapes)
+
+    def setup_timings(self) -> dict[str, tuple[float, float]]:
+        return dict(self.setup_times)
 
     def info(self) -> StageInfo:
         r = self.stage.layer_range(self.model_config)

@@ -1,0 +1,208 @@
+"""pipejax's platform as vLLM 0.32 sees it: a ``vllm.platforms.interface.Platform`` subclass.
+
+The ``vllm.platform_plugins`` entry point (``plugin.register_vllm``) returns this module's class
+path; vLLM imports the module only then, so nothing here runs for users without vLLM. vLLM imports
+it while ``vllm.config`` is still importing: vLLM and torch at module level, everything else late.
+
+What it decides (``check_and_update_config``): the layout is checked with pipejax's own rules
+(``TpuPlatform``); tensor parallelism is taken out of vLLM's hands (vLLM sees one rank per
+pipeline stage; the stage's worker owns its TP devices); the worker class, block size and each
+stage's process environment (chips or simulated devices) are recorded for the workers; features
+pipejax does not implement are refused by name.
+
+Members vLLM needs although pipejax's worker uses no torch device (each found the hard way, see
+the vLLM-host probe): ``device_name``/``device_type`` must be a torch device type (vLLM's gloo
+process groups are built on it), ``ray_device_key`` an accelerator resource Ray lists for an actor,
+``set_device`` a no-op (vLLM's output threads call it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_CLS = "pipejax.worker.vllm_worker.VllmStageWorker"
+OPTIONS_KEY = "pipejax"  # additional_config key the worker reads (pipejax.worker.vllm_worker.OPTIONS_KEY)
+DEFAULT_BLOCK_SIZE = 16
+SUPPORTED_VLLM = "0.32.0"
+# Passed to vLLM's Ray workers with the driver's values (vLLM copies these names).
+FORWARDED_ENV = ["PIPEJAX_PLATFORM", "PIPEJAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", "JAX_PLATFORMS",
+                 "VLLM_PP_LAYER_PARTITION"]
+
+
+def _accelerator_optional(fn):
+    """EngineCore's shutdown empties the accelerator's cache on every non-CPU platform; with no
+    torch accelerator present that raises. Nothing of pipejax's lives in torch's allocator."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if "accelerator" not in str(e):
+                raise
+
+    return wrapper
+
+
+for _name in ("empty_cache", "empty_host_cache"):
+    if hasattr(torch.accelerator, _name):
+        setattr(torch.accelerator, _name, _accelerator_optional(getattr(torch.accelerator, _name)))
+
+
+class PipejaxPlatform(Platform):
+    """vLLM's view of pipejax: TPU hosts, or JAX's CPU backend with simulated devices."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"  # torch device type of vLLM's control-plane process groups (gloo)
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    ray_device_key = "TPU"  # one per stage actor (on a CPU host: ray start --resources '{"TPU": N}')
+    device_control_env_var = "TPU_VISIBLE_CHIPS"
+    ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]  # the stage sets its own chips
+    simple_compile_backend = "eager"  # nothing of pipejax runs through torch.compile
+    additional_env_vars = FORWARDED_ENV
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        refuse_unsupported_config(vllm_config)
+        pc, cache, sched = vllm_config.parallel_config, vllm_config.cache_config, vllm_config.scheduler_config
+        if pc.distributed_executor_backend == "external_launcher":
+            raise ValueError("pipejax does not support distributed_executor_backend='external_launcher'; "
+                             "use 'uni', 'mp' or 'ray'")
+        opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
+        if opts is None:  # first call (the config is checked again in each process that rebuilds it)
+            opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size,
+                               pc.distributed_executor_backend, os.environ.get("VLLM_PP_LAYER_PARTITION"))
+            additional = dict(vllm_config.additional_config or {})
+            additional[OPTIONS_KEY] = opts
+            vllm_config.additional_config = additional
+            # vLLM sees one rank per stage: TP is the stage's own mesh.
+            pc.tensor_parallel_size = 1
+            pc.world_size = pc.pipeline_parallel_size * pc.prefill_context_parallel_size
+            if pc.world_size == 1 and pc.distributed_executor_backend == "mp":
+                pc.distributed_executor_backend = "uni"  # one stage: run it in the engine core
+        if pc.worker_cls == "auto":
+            pc.worker_cls = WORKER_CLS
+        if cache.block_size is None:
+            cache.block_size = DEFAULT_BLOCK_SIZE
+        if cache.block_size & (cache.block_size - 1):
+            raise ValueError(f"block_size={cache.block_size}: pipejax's paged KV cache needs a power of two, e.g. 16")
+        # The worker feeds each step's tokens from the scheduler output, in order (no async overlap).
+        sched.async_scheduling = False
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """Per request, in vLLM's frontend: a sampling feature pipejax cannot honour is a clear error
+        for that request only."""
+        from pipejax.worker.vllm_requests import unsupported_sampling
+
+        if params is None or not hasattr(params, "temperature"):
+            raise ValueError("pipejax serves text generation only (no pooling / embedding requests)")
+        problems = unsupported_sampling(params)
+        if problems:
+            raise ValueError(f"pipejax does not support {', '.join(problems)}; drop them from the request")
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        """No torch device to select: the stage's devices are JAX's."""
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        """Sampling seeds are per request in pipejax's sampler."""
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return _pipejax_platform().get_device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """vLLM's TPU build has no compiled ops, and pipejax needs none."""
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def get_attn_backend_cls(cls, *args, **kwargs) -> str:
+        return ""  # attention is the runner's; the worker names its KV layout itself
+
+
+def _pipejax_platform():
+    from pipejax.platform_tpu.platform import TpuPlatform
+
+    return TpuPlatform()
+
+
+def plan_stages(pp: int, tp: int, backend: str | None, partition: str | None) -> dict:
+    """pipejax's layout check for vLLM's pp x tp, and each stage process's environment by local rank."""
+    from pipejax.pp_utils.config import ParallelConfig
+
+    if backend == "uni" and pp > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={pp} with distributed_executor_backend='uni': under vLLM each pipejax "
+            f"stage is its own worker process; use distributed_executor_backend='mp' (one host) or 'ray'"
+        )
+    platform = _pipejax_platform()
+    ours = "ray" if backend == "ray" else "uni"
+    # Every stage is its own process (vLLM worker): plan them as the Ray backend places stages.
+    plan = platform.plan(ParallelConfig(pp, tp, 1, partition, ours))
+    plan = platform.plan(dataclasses.replace(plan.parallel, distributed_executor_backend="ray"))
+    first_host = [s.env for s in plan.stages if s.host == 0]
+    log.info("pipejax under vLLM: %s", plan.describe())
+    return {
+        "tensor_parallel_size": tp,
+        "pp_layer_partition": partition,
+        "stage_environments": first_host,  # a stage takes the one of its local rank on its host
+        "model_impl": "jax",
+    }
+
+
+def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
+    """Engine-wide vLLM features pipejax's stages do not implement: a clear error naming each."""
+    problems = []
+    if vllm_config.lora_config is not None:
+        problems.append("LoRA (enable_lora)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding (speculative_config)")
+    mc = vllm_config.model_config
+    if mc is not None:
+        if mc.runner_type != "generate":
+            problems.append(f"runner={mc.runner_type!r} (pipejax runs text generation)")
+        if mc.is_multimodal_model:
+            problems.append(f"multimodal model {mc.architectures}")
+    if vllm_config.cache_config.cache_dtype not in ("auto", None):
+        problems.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}")
+    pc = vllm_config.parallel_config
+    if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+        problems.append("context parallelism")
+    if pc.enable_expert_parallel:
+        problems.append("expert parallelism")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV transfer / disaggregated prefill (kv_transfer_config)")
+    if mc is not None and mc.logits_processors:
+        problems.append(f"custom logits processors {mc.logits_processors}")
+    if problems:
+        raise ValueError(f"pipejax (vLLM platform {__name__}) does not support: {'; '.join(problems)}")

@@ -1,0 +1,161 @@
+"""vLLM's ``SchedulerOutput`` -> pipejax's ``ModelBatch``: the per-request state a stage keeps.
+
+vLLM's scheduler sends each step only what changed: new requests whole, cached ones as deltas
+(computed-token count, blocks to append, or a new table when a preempted request resumes; under
+pipeline parallelism also the step's input tokens, which no other rank than the last one could
+know). ``RequestStates`` folds those deltas into what the runner needs: every scheduled request's
+tokens for this step, its start position and its block table. vLLM's block ids are the runner's
+pages as they are (vLLM keeps block 0 as its null block, and so does the runner), so a prefix-cache
+hit is just a table whose first blocks already hold the prefix's K/V.
+
+Only attribute reads on vLLM's objects here (no vLLM import), so it is cheap to test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+class UnsupportedFeatureError(ValueError):
+    """A vLLM feature pipejax's stages do not implement; the message names it."""
+
+
+def unsupported_sampling(params) -> list[str]:
+    """What of vLLM's ``SamplingParams`` pipejax cannot honour, each named with its value (empty: all fine)."""
+    found = []
+    for name, neutral in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_tokens", 0),
+    ):
+        value = getattr(params, name, neutral)
+        if value != neutral:
+            found.append(f"{name}={value!r}")
+    for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prompt_logprobs",
+                 "logits_processors"):
+        value = getattr(params, name, None)
+        if value:
+            found.append(f"{name}={value!r}")
+    if getattr(params, "prompt_logprobs", None) == 0:
+        found.append("prompt_logprobs=0")
+    logprobs = getattr(params, "logprobs", None)
+    if logprobs is not None and logprobs < 0:
+        found.append(f"logprobs={logprobs} (all of the vocabulary; ask for a number)")
+    return found
+
+
+def to_sampling_params(params) -> SamplingParams:
+    """pipejax's sampling parameters for one of vLLM's (stop conditions stay vLLM's)."""
+    problems = unsupported_sampling(params)
+    if problems:
+        raise UnsupportedFeatureError(f"pipejax does not support {', '.join(problems)}")
+    greedy = params.temperature < GREEDY_EPS
+    return SamplingParams(
+        temperature=0.0 if greedy else float(params.temperature),
+        top_p=1.0 if greedy else float(params.top_p),
+        top_k=0 if greedy or params.top_k in (None, -1) else int(params.top_k),
+        min_p=0.0 if greedy else float(params.min_p),
+        seed=params.seed,
+        max_tokens=None,
+        logprobs=params.logprobs,
+    )
+
+
+@dataclasses.dataclass
+class RequestState:
+    prompt_len: int
+    tokens: list[int]  # prompt + outputs, as far as this stage knows them
+    block_ids: list[int]
+    sampling: SamplingParams
+    num_computed: int = 0
+
+
+class RequestStates:
+    """The requests a stage has seen, updated from each ``SchedulerOutput``."""
+
+    def __init__(self):
+        self.requests: dict[str, RequestState] = {}
+        self.counts = {"new": 0, "prefix_hits": 0, "resumed": 0, "steps": 0}
+
+    def update(self, so) -> None:
+        """Fold one step's deltas in (finished, new and cached requests)."""
+        for req_id in so.finished_req_ids:  # the request, not its blocks: vLLM reuses them for prefix hits
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                raise UnsupportedFeatureError(f"request {new.req_id!r}: prompt embeddings are not supported")
+            (blocks,) = _one_group(new.block_ids, new.req_id)
+            self.requests[new.req_id] = RequestState(
+                prompt_len=len(new.prompt_token_ids),
+                tokens=list(new.prompt_token_ids),
+                block_ids=list(blocks),
+                sampling=to_sampling_params(new.sampling_params),
+                num_computed=new.num_computed_tokens,  # > 0: a prefix-cache hit
+            )
+            self.counts["new"] += 1
+            self.counts["prefix_hits"] += new.num_computed_tokens > 0
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted, rescheduled: a whole new table
+                state.block_ids = list(_one_group(new_blocks, req_id)[0]) if new_blocks else []
+                self.counts["resumed"] += 1
+            elif new_blocks is not None:
+                state.block_ids.extend(_one_group(new_blocks, req_id)[0])
+            if req_id in cached.all_token_ids:
+                state.tokens = list(cached.all_token_ids[req_id])
+            if cached.new_token_ids:  # pipeline parallel: this step's input tokens
+                fed = cached.new_token_ids[i]
+                state.tokens[state.num_computed : state.num_computed + len(fed)] = fed
+            # Outputs the scheduler no longer counts (e.g. after a failed step) are dropped.
+            del state.tokens[state.prompt_len + cached.num_output_tokens[i] :]
+
+    def batch(self, so, step_id: int) -> ModelBatch:
+        """This step's ``ModelBatch``: requests in the scheduler's order (new, then cached)."""
+        order = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+        out = []
+        for req_id in order:
+            n = so.num_scheduled_tokens[req_id]
+            if n == 0:
+                continue
+            state = self.requests[req_id]
+            start, end = state.num_computed, state.num_computed + n
+            if end > len(state.tokens):
+                raise RuntimeError(
+                    f"request {req_id!r}: scheduled positions {start}..{end - 1} but this stage knows "
+                    f"{len(state.tokens)} tokens (a SchedulerOutput was missed)"
+                )
+            out.append(ScheduledRequest(
+                request_id=req_id,
+                token_ids=tuple(state.tokens[start:end]),
+                start_position=start,
+                block_table=tuple(state.block_ids),
+                sampling=state.sampling,
+                sample=end == len(state.tokens),  # a prefill chunk short of the prompt's end samples nothing
+                output_index=end - state.prompt_len,
+            ))
+        self.counts["steps"] += 1
+        return ModelBatch(step_id, tuple(out))
+
+    def record(self, output: SamplerOutput) -> None:
+        """The last stage learns its sampled tokens (earlier stages get them in the next step's deltas)."""
+        for req_id, token in zip(output.request_ids, output.token_ids, strict=True):
+            if (state := self.requests.get(req_id)) is not None:
+                state.tokens.append(token)
+
+
+def _one_group(block_ids: Iterable, req_id: str) -> tuple:
+    groups = tuple(block_ids)
+    if len(groups) != 1:
+        raise UnsupportedFeatureError(
+            f"request {req_id!r} has {len(groups)} KV cache groups; pipejax runs one full-attention group"
+        )
+    return groups
