@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
+from typing import Any
 
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.runner.batch import ModelBatch, SamplerOutput
@@ -24,16 +25,28 @@ class Executor(abc.ABC):
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
         """Start ``batch`` on every stage; the future resolves to the last stage's sampled tokens."""
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the common padding buckets before serving."""
-
     @abc.abstractmethod
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``method(*args, **kwargs)`` of every stage's ``StageWorker``, on all stages at once, after the
+        steps already submitted; the results by pp rank. ``timeout`` (default: the config's step timeout)
+        bounds the wait; a stage's exception is raised here (the lowest rank's first)."""
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the common padding buckets before serving (stage 0's warm-up batches, on every stage)."""
+        batches = self.collective_rpc("warmup_batches")[0]
+        self.collective_rpc("warmup", batches, progress=False)
+
     def stage_infos(self) -> list[StageInfo]:
         """Where each stage runs, by pp rank."""
+        return self.collective_rpc("info")
 
     def step_trace(self) -> list[tuple[int, int, float, float]]:
-        """(pp_rank, step_id, start, end) of executed steps, for tests and profiling."""
-        return []
+        """(pp_rank, step_id, start, end) of the steps every stage traced (when tracing is on), by start time."""
+        return sorted((t for trace in self.collective_rpc("step_trace") for t in trace), key=lambda t: t[2])
+
+    def activation_bytes_sent(self) -> list[int]:
+        """Activation bytes each stage has sent to the next one, by pp rank (the last sends none)."""
+        return self.collective_rpc("activation_bytes_sent")
 
     def check_health(self) -> None:
         """Raise an error naming the stage and host if a stage is gone; called while a step is pending."""

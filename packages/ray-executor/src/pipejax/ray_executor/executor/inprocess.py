@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import jax
 
@@ -20,11 +23,25 @@ from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.executor.base import Executor
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import StageConfig
-from pipejax.worker import StageInfo, StageWorker, WorkerConfig
+from pipejax.worker import StageWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class _Call:
+    """A ``collective_rpc`` call queued to one stage's thread."""
+
+    def __init__(self, method: str, args: tuple, kwargs: dict):
+        self.method, self.args, self.kwargs = method, args, kwargs
+        self.future: Future[Any] = Future()
+
+    def run(self, worker: StageWorker) -> None:
+        try:
+            self.future.set_result(getattr(worker, self.method)(*self.args, **self.kwargs))
+        except Exception as exc:
+            self.future.set_exception(exc)
 
 
 class InProcessExecutor(Executor):
@@ -60,20 +77,31 @@ class InProcessExecutor(Executor):
         for t in self._threads:
             t.start()
 
-    def warmup(self, progress: bool = True) -> None:
-        batches = self.workers[0].warmup_batches()
-        futures = [self.execute_model(b) for b in batches]
-        for f in futures:
-            f.result(timeout=self.config.step_timeout_s)
-
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
         future: Future[SamplerOutput] = Future()
         for q in self._queues:
             q.put((batch, future))
         return future
 
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        calls = [_Call(method, args, kwargs) for _ in self._queues]
+        for q, call in zip(self._queues, calls, strict=True):  # each stage runs it on its own thread, in turn
+            q.put(call)
+        wait_s = timeout or self.config.step_timeout_s
+        deadline = time.monotonic() + wait_s
+        results = []
+        for rank, call in enumerate(calls):
+            try:
+                results.append(call.future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                raise TimeoutError(f"stage {rank} did not finish {method}() within {wait_s}s") from None
+        return results
+
     def _stage_loop(self, worker: StageWorker, inbox: queue.Queue) -> None:
         while (item := inbox.get()) is not _STOP:
+            if isinstance(item, _Call):
+                item.run(worker)
+                continue
             batch, future = item
             try:
                 out = worker.execute_model(batch)
@@ -83,12 +111,6 @@ class InProcessExecutor(Executor):
                 log.exception("stage %d failed on step %d", worker.stage.pp_rank, batch.step_id)
                 if not future.done():
                     future.set_exception(exc)
-
-    def stage_infos(self) -> list[StageInfo]:
-        return [w.info() for w in self.workers]
-
-    def step_trace(self) -> list[tuple[int, int, float, float]]:
-        return sorted((t for w in self.workers for t in w.trace), key=lambda t: t[2])
 
     def shutdown(self) -> None:
         for q in self._queues:

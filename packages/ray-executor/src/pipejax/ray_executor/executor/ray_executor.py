@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -28,7 +29,7 @@ from pipejax.ray_executor.executor.stage_actor import StageActor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import StageConfig
-from pipejax.worker import StageInfo, WorkerConfig
+from pipejax.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,9 @@ class RayExecutor(Executor):
             timeout=timeout,
         )
         self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
-        self.num_kv_blocks = min(ray.get([a.available_kv_blocks.remote() for a in self.actors], timeout=timeout))
+        self.num_kv_blocks = min(self.collective_rpc("available_kv_blocks"))
         self.block_size = config.cache.block_size
-        ray.get([a.load.remote(self.num_kv_blocks) for a in self.actors], timeout=timeout)
+        self.collective_rpc("load", self.num_kv_blocks)
         log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))
 
     def _stage_cpus(self, platform, timeout: float) -> list[list[int]]:
@@ -125,16 +126,12 @@ class RayExecutor(Executor):
 
     # --- Executor ----------------------------------------------------------------------------
 
-    def warmup(self, progress: bool = True) -> None:
-        batches = ray.get(self.actors[0].warmup_batches.remote(), timeout=self.config.step_timeout_s)
-        ray.get([a.warmup.remote(batches) for a in self.actors], timeout=self.config.step_timeout_s)
-
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
         if self.config.ray_compiled_graph:
             if self.pipeline is None:
                 self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s)
             return self.pipeline.submit(batch)
-        refs = [a.execute_model.remote(batch) for a in self.actors]
+        refs = [a.call.remote("execute_model", batch) for a in self.actors]
         result: Future[SamplerOutput] = Future()
         for rank, ref in enumerate(refs):
             ref.future().add_done_callback(lambda f, rank=rank: self._stage_done(rank, f, result))
@@ -175,15 +172,11 @@ class RayExecutor(Executor):
             except ray.exceptions.RayError as exc:
                 raise StageFailedError(f"{self._name(rank)} is gone: {type(exc).__name__}: {exc}") from None
 
-    def stage_infos(self) -> list[StageInfo]:
-        return ray.get([a.info.remote() for a in self.actors], timeout=self.config.step_timeout_s)
-
-    def step_trace(self) -> list[tuple[int, int, float, float]]:
-        traces = ray.get([a.trace.remote() for a in self.actors], timeout=self.config.step_timeout_s)
-        return sorted((t for tr in traces for t in tr), key=lambda t: t[2])
-
-    def activation_bytes_sent(self) -> list[int]:
-        return ray.get([a.activation_bytes_sent.remote() for a in self.actors], timeout=self.config.step_timeout_s)
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        # Plain mode queues the call behind the submitted steps; in compiled-graph mode the graph runs on
+        # the actors' background thread and the call on their main thread (only reads while steps run).
+        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return ray.get(refs, timeout=timeout or self.config.step_timeout_s)
 
     def shutdown(self) -> None:
         if getattr(self, "pipeline", None) is not None:

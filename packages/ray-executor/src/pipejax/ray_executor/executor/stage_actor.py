@@ -2,7 +2,8 @@
 
 The actor is created before it knows its rank, so nothing JAX-related is imported at creation:
 the executor first asks where it runs, ranks the actors, sets each one's environment (visible
-chips / simulated devices), and only then ``init_worker`` imports JAX and builds the stage.
+chips / simulated devices), and only then ``init_worker`` imports JAX and builds the stage. After
+that, ``call`` reaches any method of the stage's ``StageWorker`` (the executor's ``collective_rpc``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ class StageActor:
     def __init__(self):
         self.worker = None
         self.transport = None
-        self.bytes_sent = 0
 
     # --- before JAX -------------------------------------------------------------------------
 
@@ -54,52 +54,22 @@ class StageActor:
         self.transport = TransferServerTransport(host=host_ip)
         stage = worker_config.stage
         recv = self.transport if not stage.is_first else None
-        send = _CountingSend(self) if not stage.is_last else None
+        send = self.transport if not stage.is_last else None
         self.worker = StageWorker(worker_config, recv=recv, send=send)
         return self.transport.address
 
     def connect_previous(self, address: str, peer: str) -> None:
         self.transport.connect_previous(address, peer)
 
-    def available_kv_blocks(self) -> int:
-        return self.worker.available_kv_blocks()
-
-    def load(self, num_blocks: int) -> None:
-        self.worker.load(num_blocks)
-
-    def warmup_batches(self):
-        return self.worker.warmup_batches()
-
-    def warmup(self, batches) -> float:
-        return self.worker.warmup(batches, progress=False)
-
-    def execute_model(self, batch):
-        return self.worker.execute_model(batch)
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` of this stage's ``StageWorker``: every per-stage call but the
+        compiled-graph step goes through here (``Executor.collective_rpc``, ``execute_model``)."""
+        return getattr(self.worker, method)(*args, **kwargs)
 
     def execute_step(self, incoming):
         """This stage's node in the compiled graph (see compiled_graph.py)."""
         return execute_step(self, incoming, self.name)
 
-    def info(self):
-        return self.worker.info()
-
-    def trace(self):
-        return list(self.worker.trace)
-
-    def activation_bytes_sent(self) -> int:
-        return self.bytes_sent
-
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
-
-
-class _CountingSend:
-    """Sends through the actor's transport and counts the activation bytes (for tests/benchmarks)."""
-
-    def __init__(self, actor: StageActor):
-        self.actor = actor
-
-    def send(self, step_id, tensors) -> None:
-        self.actor.bytes_sent += sum(int(v.nbytes) for v in tensors.values())
-        self.actor.transport.send(step_id, tensors)
