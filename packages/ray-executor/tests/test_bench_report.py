@@ -1,12 +1,21 @@
-"""``pipejax bench report`` renders BENCHMARKS.md from the sections' JSON (synthetic here: no measuring)."""
+"""The benchmark report (packages/ray-executor/benchmarks/report.py, next to the package, not in it)
+renders BENCHMARKS.md from the sections' JSON (synthetic here: no measuring)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from pipejax.ray_executor.bench_report import SECTIONS, fmt, run_report, verdict
-from pipejax.ray_executor.benchmarks.common import summary
-from pipejax.ray_executor.cli import build_parser
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PACKAGE / "benchmarks"))  # what report.py's own folder is when run as a script
+
+from report import SECTIONS, build_parser, fmt, main, verdict  # noqa: E402
+from sections.common import summary  # noqa: E402
+
+from pipejax.ray_executor.cli import build_parser as cli_parser  # noqa: E402
 
 
 def s(*values):
@@ -75,9 +84,19 @@ def synthetic_results() -> dict[str, dict]:
     }
 
 
-def test_cli_has_bench_report():
-    args = build_parser().parse_args(["bench", "report", "--quick", "--sections", "decode,memory"])
-    assert args.bench == "report" and args.quick and args.sections == "decode,memory"
+def test_report_is_a_script_outside_the_package():
+    args = build_parser().parse_args(["--quick", "--sections", "decode,memory"])
+    assert args.quick and args.sections == "decode,memory"
+    src = PACKAGE / "src" / "pipejax" / "ray_executor"
+    assert not (src / "benchmarks").exists() and not (src / "bench_report.py").exists()
+    with pytest.raises(SystemExit):  # `pipejax bench` keeps throughput and serve only
+        cli_parser().parse_args(["bench", "report"])
+    assert cli_parser().parse_args(["bench", "throughput"]).bench == "throughput"
+
+
+def test_unknown_section_is_refused(capsys):
+    assert main(["--sections", "decode,nope", "--output", "unused.md"]) == 2
+    assert "unknown section(s) ['nope']" in capsys.readouterr().err
 
 
 def test_render_from_results(tmp_path):
@@ -88,8 +107,7 @@ def test_render_from_results(tmp_path):
         (results / f"{name}.json").write_text(json.dumps(data))
     (results / "meta.json").write_text(json.dumps({"when": "now", "repeats": 2, "sections": {}}))
     out = tmp_path / "BENCHMARKS.md"
-    args = build_parser().parse_args(["bench", "report", "--from-results", str(results), "--output", str(out)])
-    assert run_report(args) == 0
+    assert main(["--from-results", str(results), "--output", str(out)]) == 0
     text = out.read_text()
     assert "## Summary" in text and "## Goals not met: what bounds them" in text
     # every figure of the issue has its row, next to its reference and a verdict

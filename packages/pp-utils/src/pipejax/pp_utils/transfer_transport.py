@@ -188,6 +188,8 @@ class TransferServerTransport(ActivationTransport):
         self._descriptors: collections.OrderedDict[tuple, jax.Array] = collections.OrderedDict()  # send side
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()  # receive side
         self._descriptor_structs: collections.OrderedDict[tuple, jax.ShapeDtypeStruct] = collections.OrderedDict()
+        # seconds the latest receive waited for the descriptor, then for the data (for profiling)
+        self.last_receive_waits: tuple[float, float] = (0.0, 0.0)
 
     def connect_previous(self, address: str, peer_name: str = "previous stage") -> None:
         """Connect to the previous stage's ``address``; ``receive`` pulls from it."""
@@ -248,7 +250,7 @@ class TransferServerTransport(ActivationTransport):
                 pending = _PendingPull(self._conn.pull(2 * step_id, [struct])[0], data, plan)
                 self._pending[step_id] = pending
 
-        self._wait([pending.descriptor], step_id, timeout, deadline)
+        descriptor_wait = self._wait([pending.descriptor], step_id, timeout, deadline)
         raw = np.asarray(pending.descriptor).tobytes()
         reassemble = False
         plan = pending.data_plan
@@ -266,7 +268,7 @@ class TransferServerTransport(ActivationTransport):
             if pending.data is None:
                 pending.data = self._conn.pull(2 * step_id + 1, list(plan.structs))
                 pending.data_plan = plan
-        self._wait(pending.data, step_id, timeout, deadline)
+        self.last_receive_waits = (descriptor_wait, self._wait(pending.data, step_id, timeout, deadline))
 
         with self._lock:
             del self._pending[step_id]
@@ -281,7 +283,8 @@ class TransferServerTransport(ActivationTransport):
             out[name] = array
         return IntermediateTensors(out)
 
-    def _wait(self, arrays: list[jax.Array], step_id: int, timeout: float, deadline: float) -> None:
+    def _wait(self, arrays: list[jax.Array], step_id: int, timeout: float, deadline: float) -> float:
+        """Seconds until ``arrays`` landed."""
         # Polled, not blocked on in a helper thread: a thread left inside block_until_ready on a
         # pull that never completes aborts the interpreter at exit ("FATAL: exception not rethrown").
         # A sleep here lasts ~80 us whatever it asks for, longer than a decode-size pull takes to
@@ -309,6 +312,7 @@ class TransferServerTransport(ActivationTransport):
             raise ConnectionError(
                 f"step {step_id}: pulling activations from {self.peer} failed ({e}); did that stage's process exit?"
             ) from e
+        return time.monotonic() - start
 
     def pending(self) -> int:
         """Receives that timed out and can be resumed."""

@@ -1,5 +1,6 @@
 """``pipejax`` command line: ``generate`` (offline generation), ``serve`` (the OpenAI-compatible server),
-``bench throughput``, ``bench serve`` and ``bench report`` (every benchmark -> BENCHMARKS.md).
+``bench throughput`` and ``bench serve`` (the report of every benchmark is a script next to the package:
+``packages/ray-executor/benchmarks/report.py``).
 
 JAX reads its device configuration once, at import; so this module sets the simulated-device
 environment first and imports everything JAX-related inside the command functions.
@@ -12,7 +13,6 @@ import os
 import sys
 import time
 
-from pipejax.ray_executor.bench_report import add_report_args
 from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
 
 
@@ -65,8 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     bench_serve = bench_sub.add_parser("serve", help="online benchmark against a running `pipejax serve`")
     add_bench_serve_args(bench_serve)
-    report = bench_sub.add_parser("report", help="run every benchmark, write BENCHMARKS.md (+ a throughput plot)")
-    add_report_args(report)
     return parser
 
 
@@ -151,14 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         from pipejax.ray_executor.serving.bench import run_bench_serve
 
         return run_bench_serve(args)
-    if args.command == "bench" and args.bench == "report":  # runs each section in its own process
-        from pipejax.ray_executor.bench_report import run_report
-
-        try:
-            return run_report(args)
-        except ValueError as exc:
-            print(f"pipejax: error: {exc}", file=sys.stderr)
-            return 2
     configure_devices(args)
     try:
         if args.command == "serve":

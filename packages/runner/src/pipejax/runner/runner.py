@@ -18,7 +18,8 @@ from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import get_model_impl
-from pipejax.runner.sampler import SamplingMetadata, sample, to_sampler_output
+from pipejax.runner.sampler import SamplingMetadata, to_sampler_output
+from pipejax.runner.sampler import sample as sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -126,17 +127,15 @@ class StageRunner:
         spec = TensorSpec((T, self.cfg.hidden_size), self.cfg.dtype, self._replicated)
         return IntermediateSpec({"hidden_states": spec})
 
-    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None):
+    def prepare_inputs(self, batch: ModelBatch) -> tuple[StepShape, StepInputs]:
+        """A step's host work: the padded shape of ``batch`` and its inputs on the stage's devices."""
         shape = self.step_shape(batch)
         host = build_step_inputs(batch, shape, self.block_size)
-        inputs = StepInputs(*(jax.device_put(a, self._replicated) for a in host))
-        hidden_in = None
-        if not self.stage.is_first:
-            if intermediate is None:
-                raise ValueError(
-                    f"stage {self.stage.pp_rank} needs the previous stage's activations for step {batch.step_id}"
-                )
-            hidden_in = intermediate["hidden_states"]
+        return shape, StepInputs(*(jax.device_put(a, self._replicated) for a in host))
+
+    def forward(self, inputs: StepInputs, shape: StepShape, hidden_in: jax.Array | None = None) -> jax.Array:
+        """The jitted step on prepared inputs (it writes the KV cache): hidden states [T, E], or on the
+        last stage logits [rows, V]. ``hidden_in``: the previous stage's hidden states (non-first stages)."""
         if shape not in self.compiled_shapes:
             self.compiled_shapes.add(shape)
             log.info(
@@ -147,7 +146,18 @@ class StageRunner:
                 self.buckets.count(),
             )
         out, self.kv_cache = self._step(self.params, self._require_cache(), inputs, hidden_in, shape=shape)
-        return out, shape
+        return out
+
+    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None):
+        shape, inputs = self.prepare_inputs(batch)
+        hidden_in = None
+        if not self.stage.is_first:
+            if intermediate is None:
+                raise ValueError(
+                    f"stage {self.stage.pp_rank} needs the previous stage's activations for step {batch.step_id}"
+                )
+            hidden_in = intermediate["hidden_states"]
+        return self.forward(inputs, shape, hidden_in), shape
 
     def execute(
         self, batch: ModelBatch, intermediate: IntermediateTensors | None = None
@@ -155,7 +165,7 @@ class StageRunner:
         out, shape = self._forward(batch, intermediate)
         if not self.stage.is_last:
             return IntermediateTensors({"hidden_states": out})
-        return self._sample(batch, out, shape.rows)
+        return self.sample(batch, out, shape.rows)
 
     def logits(self, batch: ModelBatch, intermediate: IntermediateTensors | None = None) -> np.ndarray:
         """Last stage only: raw logits [num requests, V] at each request's last token (tests, scoring)."""
@@ -163,13 +173,14 @@ class StageRunner:
         out, _ = self._forward(batch, intermediate)
         return np.asarray(out)[: len(batch.requests)]
 
-    def _sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int) -> SamplerOutput:
+    def sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int) -> SamplerOutput:
+        """Last stage: the sampled tokens of ``batch``'s sampling rows from its step's logits ([num_rows, V])."""
         rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
         meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
         wanted = [r.sampling.logprobs for r in batch.requests]
         most = max((n for n in wanted if n is not None), default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most)
-        result = sample(logits, meta, num_logprobs=num_logprobs)
+        result = sample_tokens(logits, meta, num_logprobs=num_logprobs)
         out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]
         return SamplerOutput(

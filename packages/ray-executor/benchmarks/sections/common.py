@@ -47,6 +47,24 @@ def bench_model() -> str:
     return resolve_model("builtin:bench")
 
 
+def engine_buckets(llm):
+    """The padding buckets the engine's stages run at, from its config (``pipejax.runner.inputs.Buckets``)."""
+    from pipejax.runner.inputs import Buckets
+
+    cache = llm.engine.config.cache
+    return Buckets.make(cache.max_num_batched_tokens, cache.max_num_seqs, llm.engine.max_model_len, cache.block_size)
+
+
+def stage_pids(llm) -> list[int]:
+    """The process of each stage, by pp rank (this one for the in-process engine)."""
+    return [info.pid for info in llm.engine.executor.stage_infos()]
+
+
+def compiled_shapes(llm) -> int:
+    """Step shapes the engine's stages have compiled so far, summed over the stages."""
+    return sum(llm.engine.executor.collective_rpc("num_compiled_shapes"))
+
+
 def engine_kwargs(max_num_seqs: int = NUM_PROMPTS, max_num_batched_tokens: int = 2048) -> dict[str, Any]:
     """LLM settings of every section: an explicit KV cache sized for the workload (not from free memory)."""
     per_request = -(-MAX_MODEL_LEN // BLOCK_SIZE)

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import section_main, summary
+from sections.common import section_main, summary
 
 HIDDEN = 768
 SIZES = {"decode 64x768": 64, "prefill 2048x768": 2048}
@@ -101,17 +101,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         specs = {rows: IntermediateTensors({"hidden_states": np.zeros((rows, HIDDEN), np.float32)}).spec(
             {"hidden_states": device}) for rows in SIZES.values()}
         receive_s: list[float] = []  # the whole receive call
-        waits: list[float] = []  # the transport's two waits per receive: descriptor, then data
-        inner_wait = receiver._wait
-
-        def timed_wait(*a, **kw):
-            start = time.perf_counter()
-            try:
-                return inner_wait(*a, **kw)
-            finally:
-                waits.append(time.perf_counter() - start)
-
-        receiver._wait = timed_wait  # benchmark-side instrumentation of this instance only
 
         def once(kind: str, rows: int) -> float:
             step = next(steps)
@@ -144,12 +133,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phases: dict[str, list[float]] = {"descriptor wait": [], "data wait": [], "rest of receive": []}
             for r in range(rounds):
                 for kind in KINDS[r % 3:] + KINDS[: r % 3]:
-                    waits.clear()
                     times[kind].append(once(kind, rows))
-                    if kind == "transport":
-                        phases["descriptor wait"].append(waits[0])
-                        phases["data wait"].append(waits[1])
-                        phases["rest of receive"].append(receive_s[-1] - waits[0] - waits[1])
+                    if kind == "transport":  # the transport's two waits per receive: descriptor, then data
+                        descriptor_wait, data_wait = receiver.last_receive_waits
+                        phases["descriptor wait"].append(descriptor_wait)
+                        phases["data wait"].append(data_wait)
+                        phases["rest of receive"].append(receive_s[-1] - descriptor_wait - data_wait)
             nbytes = rows * HIDDEN * 4
             out[label] = {
                 "bytes": nbytes,

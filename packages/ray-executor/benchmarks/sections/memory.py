@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import bench_model, section_main, summary, weight_bytes
+from sections.common import bench_model, section_main, summary, weight_bytes
 
 GOAL = 0.6
 KV_BLOCKS = 65

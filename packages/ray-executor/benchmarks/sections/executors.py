@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import (
+from sections.common import (
     bench_model,
     cpu_seconds,
     engine_kwargs,
@@ -30,9 +30,10 @@ from pipejax.ray_executor.benchmarks.common import (
     prompts,
     section_main,
     self_profile,
+    stage_pids,
     summary,
 )
-from pipejax.ray_executor.benchmarks.throughput import BatchRecorder
+from sections.throughput import BatchRecorder
 
 BATCH, INPUT, OUTPUT = 32, 16, 32
 MODES = {
@@ -119,7 +120,7 @@ class Measured:
         out = {"driver": os.getpid()}
         for name, llm in self.llms.items():
             if name != "in-process":
-                out[f"{name} actor"] = llm.engine.executor.placement[0]["pid"]
+                out[f"{name} actor"] = stage_pids(llm)[0]
         return out
 
     def run(self, name: str, label: str | None = None) -> None:
@@ -140,7 +141,7 @@ class Measured:
     def profile(self, name: str, profile_dir: str) -> dict[str, Any]:
         """py-spy the driver and the stage actor during one more run of ``name``."""
         tag = name.replace(" ", "-")
-        actor = self.llms[name].engine.executor.placement[0]["pid"]
+        actor = stage_pids(self.llms[name])[0]
         with contextlib.ExitStack() as stack:
             profs = {f"{name}: driver": stack.enter_context(
                          self_profile(f"{profile_dir}/executors-{tag}-driver.pyspy.txt", rate=PROFILE_RATE)),
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def build(name: str) -> None:
         kw = MODES[name]
         llms[name] = LLM(path, warmup=False, **engine_kwargs(max_num_seqs=BATCH, max_num_batched_tokens=512), **kw)
-        recorders[name] = BatchRecorder(llms[name].engine.executor)
+        recorders[name] = BatchRecorder(llms[name])
         decode_steps(llms[name], recorders[name], batch_prompts, output)  # compile (and build the graph)
 
     batch_prompts = prompts(BATCH, INPUT, 32000)

@@ -4,8 +4,9 @@ Each repeat is a fresh process doing what ``pipejax generate`` does with the Ray
 command's default layout (pp=2 x tp=2 on simulated CPU devices, default KV sizing) on the
 benchmark model: import, start a local Ray cluster, build the engine (placement group, stage
 actors, each stage's JAX start, weights and KV cache), compile the warm-up buckets, then one prompt
-to its first token. The stage actors note when their set-up calls ran (a ``StageActor`` subclass),
-which splits the engine build; every phase is wall-clock time from the process's creation.
+to its first token. Each stage's ``StageWorker`` notes when its set-up phases ran (read with
+``collective_rpc("setup_timings")``), which splits the engine build; every phase is wall-clock
+time from the process's creation.
 
 Each repeat is two starts on a persistent compilation cache of its own: the first with the cache
 empty (a first-ever start), the second with what the first left in it (every later start).
@@ -22,14 +23,14 @@ import tempfile
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import section_main, summary
 from pipejax.worker.worker import CACHE_DIR_ENV
+from sections.common import section_main, summary
 
 PHASES = (
     "python + imports",
     "Ray start (local cluster)",
-    "placement group + stage actors (processes, imports)",
-    "stage init (`init_worker`: StageWorker, transfer server)",
+    "placement group + stage actors (processes, imports, transfer server)",
+    "stage init (StageWorker: devices, mesh, model config)",
     "load (weights + KV cache)",
     "compile (warm-up buckets)",
     "first token (one prompt: prefill + sample)",
@@ -48,46 +49,42 @@ def process_start_time() -> float:
 def child() -> None:
     """One cold start; prints a JSON line of phase -> seconds."""
     born = process_start_time()
-    from pipejax.ray_executor.cli import build_parser, configure_devices
+    from pipejax.ray_executor.cli import build_parser, configure_devices, engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--model", "builtin:bench", "--distributed-executor-backend", "ray",
                                       "--max-tokens", "1", "Hello, pipejax!"])
     configure_devices(args)
     import ray
 
-    import pipejax.ray_executor.executor.ray_executor as ray_executor
-    from pipejax.ray_executor.benchmarks.timed_actor import TimedStageActor
-    from pipejax.ray_executor.cli import _llm
+    from pipejax.ray_executor import LLM
     from pipejax.ray_executor.executor.ray_placement import device_resource
-    from pipejax.ray_executor.llm import resolve_model
     from pipejax.ray_executor.platforms import current_platform
     from pipejax.runner.batch import SamplingParams
 
-    resolve_model(args.model)  # the checkpoint exists already (generated before the timed process)
-    ray_executor.StageActor = TimedStageActor
+    config = engine_config_from_args(args)  # the checkpoint exists already (generated before the timed process)
     t_imports = time.time()
     need = args.pipeline_parallel_size * args.tensor_parallel_size
     # as the engine's connect() does, but always a new local cluster (another may run on this machine)
     ray.init(address="local", resources={device_resource(current_platform()): need}, include_dashboard=False,
              log_to_driver=False)
     t_ray = time.time()
-    llm = _llm(args, warmup=False)
-    marks = ray.get([a.timings.remote() for a in llm.engine.executor.actors])
+    llm = LLM.from_config(config, warmup=False)
     llm.engine.executor.warmup()
     t_compiled = time.time()
+    marks = llm.engine.executor.collective_rpc("setup_timings")  # each stage's wall-clock set-up phases
     out = llm.generate(args.prompts, SamplingParams(temperature=0, max_tokens=1))
     t_first = time.time()
     assert len(out[0].outputs[0].token_ids) == 1
-    init_start = min(m["init_worker"][0] for m in marks)
-    init_end = max(m["init_worker"][1] for m in marks)
-    load_end = max(m["load"][1] for m in marks)
+    init_start = min(m["init"][0] for m in marks)
+    init_end = max(m["init"][1] for m in marks)
+    compile_start = min(m["warmup"][0] for m in marks)
     phases = dict(zip(PHASES, (
         t_imports - born,
         t_ray - t_imports,
         init_start - t_ray,
         init_end - init_start,
-        load_end - init_end,  # with the connect and KV sizing calls before the load (small)
-        t_compiled - load_end,  # with the engine's own set-up after the load (small)
+        compile_start - init_end,  # with the transport connect, KV sizing and the engine's own set-up (small)
+        t_compiled - compile_start,
         t_first - t_compiled,
     ), strict=True))
     kv_blocks = llm.engine.executor.num_kv_blocks
@@ -96,7 +93,7 @@ def child() -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipejax.ray_executor.benchmarks.common import bench_model
+    from sections.common import bench_model
 
     bench_model()  # generate the checkpoint outside the timed processes
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import bench_model, machine_rates, section_main, summary, timed
+from sections.common import bench_model, machine_rates, section_main, summary, timed
 
 CONTEXT = 128
 HEADLINE_BATCH = 64
@@ -70,26 +70,21 @@ class DecodeBench:
         self.runner.execute(self.batch(size))
 
     def parts(self, size: int, repeats: int) -> dict[str, Any]:
-        """Median ms of the step's parts at ``size``: host inputs, jitted forward, sampling (runner internals)."""
+        """Median ms of the step's parts at ``size``: host inputs, jitted forward, sampling."""
         import jax
-
-        from pipejax.runner.inputs import build_step_inputs
-        from pipejax.runner.model import StepInputs
 
         r = self.runner
         times: dict[str, list[float]] = {"inputs": [], "forward": [], "sample": []}
         for _ in range(repeats + 1):
             batch = self.batch(size)
             t0 = time.perf_counter()
-            shape = r.step_shape(batch)
-            host = build_step_inputs(batch, shape, r.block_size)
-            inputs = StepInputs(*(jax.device_put(a, r._replicated) for a in host))
+            shape, inputs = r.prepare_inputs(batch)
             jax.block_until_ready(inputs)
             t1 = time.perf_counter()
-            logits, r.kv_cache = r._step(r.params, r.kv_cache, inputs, None, shape=shape)
+            logits = r.forward(inputs, shape)
             logits.block_until_ready()
             t2 = time.perf_counter()
-            r._sample(batch, logits, shape.rows)
+            r.sample(batch, logits, shape.rows)
             t3 = time.perf_counter()
             for v, t in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 v.append(t)
@@ -145,10 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decode[b]["bound"] = "compute" if decode[b]["compute_ms"]["median"] >= decode[b]["memory_ms"]["median"] \
             else "memory"
     b = HEADLINE_BATCH
-    try:  # runner internals: a refactor may move them; the rest of the section does not need them
-        parts = bench.parts(b, steps)
-    except (AttributeError, TypeError) as exc:
-        parts = {"error": f"{type(exc).__name__}: {exc}", "shape": list(bench.runner.step_shape(bench.batch(b)))}
+    parts = bench.parts(b, steps)
     dense_ms = dense_matmuls(cfg, b, steps) * 1e3
     slots = parts["shape"][4] * bench.block
     result = {

@@ -14,12 +14,14 @@ import argparse
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import (
+from sections.common import (
     INPUT_LEN,
     NUM_PROMPTS,
     OUTPUT_LEN,
     CpuMeter,
     bench_model,
+    compiled_shapes,
+    engine_buckets,
     engine_kwargs,
     machine_rates,
     prompts,
@@ -29,15 +31,15 @@ from pipejax.ray_executor.benchmarks.common import (
 
 
 class BatchRecorder:
-    """Wraps an executor's ``execute_model`` to note each batch's composition (benchmark-side only)."""
+    """Wraps an engine's ``executor.execute_model`` to note each batch's composition and the padded
+    shape it runs at (benchmark-side only)."""
 
-    def __init__(self, executor):
-        self.executor = executor
+    def __init__(self, llm):
+        executor = llm.engine.executor
         self.batches: dict[int, dict[str, Any]] = {}
         self._inner = executor.execute_model
         executor.execute_model = self
-        workers = getattr(executor, "workers", None)  # in-process: the padded shape each batch runs at
-        self._runner = workers[-1].runner if workers else None
+        self._buckets, self._block_size = engine_buckets(llm), llm.engine.config.cache.block_size
 
     def __call__(self, batch):
         ctx = 0
@@ -50,7 +52,7 @@ class BatchRecorder:
             "sampled": sum(1 for r in batch.requests if r.sample),
             "prefill": any(len(r.token_ids) > 1 for r in batch.requests),
             "attended": ctx,
-            "shape": list(self._runner.step_shape(batch)) if self._runner else None,
+            "shape": list(self._buckets.shape_of(batch, self._block_size)),
         }
         return self._inner(batch)
 
@@ -120,7 +122,7 @@ def torch_matmul_rate(repeats: int = 5) -> float:
 
     import torch
 
-    from pipejax.ray_executor.benchmarks.common import timed
+    from sections.common import timed
 
     a = torch.ones(2048, 2048)
     return 2 * 2048**3 / statistics.median(timed(lambda: a @ a, repeats))
@@ -132,8 +134,8 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
     from pipejax.runner.inputs import pick
 
     cfg = llm.engine.model_config
-    buckets = llm.engine.executor.workers[0].runner.buckets
-    block_size = llm.engine.executor.workers[0].runner.block_size
+    buckets = engine_buckets(llm)
+    block_size = llm.engine.config.cache.block_size
     trace = [(s, end - start) for _, s, start, end in llm.engine.executor.step_trace() if s in batches]
     out: dict[str, Any] = {"wall_s": wall, "matmul_gflops": rates["flops"] / 1e9,
                            "torch_matmul_gflops": rates.get("torch_flops", float("nan")) / 1e9}
@@ -170,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     llm = LLM(path, warmup=False, **engine_kwargs())
     build_s = time.perf_counter() - start
-    recorder = BatchRecorder(llm.engine.executor)
+    recorder = BatchRecorder(llm)
     all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
     hf = HFReference(path)
     start = time.perf_counter()
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf.run(all_prompts[:2], 4)
     warm_s = time.perf_counter() - start
 
-    compiled_before = len(llm.engine.executor.workers[0].runner.compiled_shapes)
+    compiled_before = compiled_shapes(llm)
     pj: dict[int, list[float]] = {c: [] for c in levels}
     ref: dict[int, list[float]] = {c: [] for c in levels}
     cores: dict[str, list[dict[str, float]]] = {"pj": [], "hf": []}  # at the headline concurrency
@@ -221,10 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "transformers": summary([c["machine_busy"] for c in cores["hf"]])},
         "breakdown": breakdown,
         "breakdown_low": breakdown_low,  # at the lowest concurrency
-        "smallest_buckets": {"tokens": llm.engine.executor.workers[0].runner.buckets.tokens[0],
-                             "rows": llm.engine.executor.workers[0].runner.buckets.rows[0]},
-        "shapes_compiled_during_timed_runs": len(llm.engine.executor.workers[0].runner.compiled_shapes)
-        - compiled_before,
+        "smallest_buckets": {"tokens": engine_buckets(llm).tokens[0], "rows": engine_buckets(llm).rows[0]},
+        "shapes_compiled_during_timed_runs": compiled_shapes(llm) - compiled_before,
     }
     llm.shutdown()
     return result

@@ -21,20 +21,22 @@ import os
 import time
 from typing import Any
 
-from pipejax.ray_executor.benchmarks.common import (
+from sections.common import (
     INPUT_LEN,
     NUM_PROMPTS,
     OUTPUT_LEN,
     CpuMeter,
     bench_model,
+    compiled_shapes,
     engine_kwargs,
     process_cpu_seconds,
     prompts,
     section_main,
     self_profile,
+    stage_pids,
     summary,
 )
-from pipejax.ray_executor.benchmarks.throughput import pipejax_run
+from sections.throughput import pipejax_run
 
 GOAL = 1.6
 MAX_REPEATS = 2  # pairs of headline runs (each ~30-60 s here): the report's time budget
@@ -49,13 +51,7 @@ def set_depth(llm, depth: int) -> None:
 
 def engine_pids(llm) -> list[int]:
     """The driver, and the stage actors' processes when the engine runs on Ray."""
-    return [os.getpid()] + [p["pid"] for p in getattr(llm.engine.executor, "placement", [])]
-
-
-def compiled_shapes(llm) -> int | None:
-    """Step shapes the in-process engine's stages have compiled so far (None: not visible, e.g. on Ray)."""
-    workers = getattr(llm.engine.executor, "workers", None)
-    return sum(len(w.runner.compiled_shapes) for w in workers) if workers else None
+    return sorted({os.getpid(), *stage_pids(llm)})
 
 
 def measure(llm, all_prompts, repeats: int) -> dict[str, Any]:
@@ -86,8 +82,7 @@ def measure(llm, all_prompts, repeats: int) -> dict[str, Any]:
         "machine_busy": {d: summary(v) for d, v in machine.items()},
         "warm_runs_s": warm_s,
     }
-    if compiled_before is not None:
-        out["shapes_compiled_during_timed_runs"] = compiled_shapes(llm) - compiled_before
+    out["shapes_compiled_during_timed_runs"] = compiled_shapes(llm) - compiled_before
     return out
 
 
