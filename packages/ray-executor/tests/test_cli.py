@@ -18,7 +18,9 @@ def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 240) -> su
 
 
 def test_generate_shows_text_placement_and_speed():
-    proc = run_cli("generate", "--max-tokens", "6", "--seed", "3", "Hello, pipejax!", "second prompt")
+    proc = run_cli(
+        "generate", "--model", "builtin", "-tp", "2", "--max-tokens", "6", "--seed", "3", "Hello, pipejax!", "2nd one"
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "stage 0: layers 0-1 on cpu:0, cpu:1" in out
@@ -30,6 +32,8 @@ def test_generate_shows_text_placement_and_speed():
 def test_generate_layout_too_large_is_one_clear_line():
     proc = run_cli(
         "generate",
+        "--model",
+        "builtin",
         "-pp",
         "4",
         "-tp",

@@ -10,7 +10,8 @@ from pipejax.ray_executor.llm import resolve_model
 
 @pytest.fixture(scope="module")
 def llm_pp2():
-    llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=160, block_size=16, warmup=False)
+    llm = LLM("builtin", pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=160, block_size=16,
+              warmup=False)
     yield llm
     llm.shutdown()
 
@@ -165,5 +166,5 @@ def test_unknown_model_path(tmp_path):
 def test_layout_larger_than_devices():
     fits = r"tensor_parallel_size=4 .* 8 devices.*fits: .*devices in this process: cpu:0, .*cpu:7"
     with pytest.raises(ValueError, match=fits):
-        LLM(None, pipeline_parallel_size=4, tensor_parallel_size=4, warmup=False)
+        LLM("builtin", pipeline_parallel_size=4, tensor_parallel_size=4, warmup=False)
     assert len(jax.devices()) == 8

@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def expected():
-    llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=128, warmup=False)
+    llm = LLM("builtin", pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=128, warmup=False)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     finally:
@@ -50,7 +50,7 @@ def stop_cluster(cluster: Cluster) -> None:
 
 def run(pp: int, tp: int, compiled: bool = False):
     llm = LLM(
-        None,
+        "builtin",
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         distributed_executor_backend="ray",
@@ -153,7 +153,7 @@ def test_dead_stage_fails_every_request_with_a_clear_error():
     cluster = start_cluster([2, 2])
     try:
         llm = LLM(
-            None,
+            "builtin",
             pipeline_parallel_size=2,
             tensor_parallel_size=2,
             distributed_executor_backend="ray",
@@ -214,7 +214,7 @@ def test_pinned_stages_get_disjoint_cores(expected):
     cores = sorted(os.sched_getaffinity(0))
     cluster = start_cluster([4])
     try:
-        llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
+        llm = LLM("builtin", pipeline_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
                   num_kv_blocks=128, warmup=False, pin_stage_cpus=True)
         actors = llm.engine.executor.actors
         pinned = ray.get([a.allowed_cpus.remote() for a in actors], timeout=60)
@@ -229,7 +229,7 @@ def test_pinned_stages_get_disjoint_cores(expected):
         cluster = start_cluster([4])
         try:
             with pytest.raises(ValueError, match=r"pin_stage_cpus: stage \d .* drop pin_stage_cpus"):
-                LLM(None, pipeline_parallel_size=4, distributed_executor_backend="ray", num_kv_blocks=64,
+                LLM("builtin", pipeline_parallel_size=4, distributed_executor_backend="ray", num_kv_blocks=64,
                     warmup=False, pin_stage_cpus=True)
         finally:
             stop_cluster(cluster)

@@ -108,7 +108,8 @@ def main() -> int:
     try:
         # 1. The reference: the in-process executor on this process's simulated devices.
         t0 = time.monotonic()
-        ref = LLM(None, pipeline_parallel_size=ARGS.pp, tensor_parallel_size=ARGS.tp, num_kv_blocks=128, warmup=False)
+        ref = LLM("builtin", pipeline_parallel_size=ARGS.pp, tensor_parallel_size=ARGS.tp, num_kv_blocks=128,
+                  warmup=False)
         expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, greedy)]
         ref.shutdown()
         del ref
@@ -123,7 +124,7 @@ def main() -> int:
         driver_node = ray.get_runtime_context().get_node_id()
         driver_ip = ray.util.get_node_ip_address()
         check("driver runs on the head host", driver_ip == hosts[0]["ip"], f"driver ip {driver_ip}")
-        llm = LLM(None, pipeline_parallel_size=ARGS.pp, tensor_parallel_size=ARGS.tp,
+        llm = LLM("builtin", pipeline_parallel_size=ARGS.pp, tensor_parallel_size=ARGS.tp,
                   distributed_executor_backend="ray", num_kv_blocks=128, warmup=False)
         summary["timings"]["ray_engine_start_s"] = round(time.monotonic() - t0, 2)
         placement = llm.engine.executor.placement

@@ -14,7 +14,7 @@ from server_utils import Server
 
 pytestmark = pytest.mark.timeout(400)
 
-ENGINE = ["-pp", "1", "-tp", "1", "--num-kv-blocks", "128", "--max-num-seqs", "16", "--no-warmup"]
+ENGINE = ["--model", "builtin", "-pp", "1", "-tp", "1", "--num-kv-blocks", "128", "--max-num-seqs", "16", "--no-warmup"]
 
 
 def free_port_range(count: int) -> int:

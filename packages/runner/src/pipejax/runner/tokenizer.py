@@ -82,6 +82,11 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+        """From a checkpoint folder (tokenizer.json, ...) or a GGUF file's metadata."""
+        from pipejax.runner import gguf_file
+
+        if gguf_file.find_gguf(path) is not None:
+            return gguf_file.tokenizer(path)
         folder = pathlib.Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(
@@ -144,6 +149,13 @@ class Tokenizer:
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """Whether ``path`` carries a tokenizer pipejax reads (tokenizer.json, or a GGUF file's metadata)."""
+    from pipejax.runner import gguf_file
+
+    return (pathlib.Path(path) / "tokenizer.json").is_file() or gguf_file.find_gguf(path) is not None
 
 
 def _apply_bos_eos_flags(

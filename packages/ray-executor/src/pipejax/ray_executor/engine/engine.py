@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 
 from pipejax.pp_utils import ParallelConfig
 from pipejax.ray_executor.config import EngineConfig
@@ -25,7 +24,7 @@ from pipejax.ray_executor.executor.base import Executor, executor_class
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
 from pipejax.runner.config import ModelConfig
-from pipejax.runner.tokenizer import Tokenizer
+from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
 

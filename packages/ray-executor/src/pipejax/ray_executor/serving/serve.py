@@ -27,6 +27,7 @@ import tempfile
 import threading
 
 from pipejax.ray_executor.serving.addresses import DPAddresses, free_ports
+from pipejax.runner.default_model import DEFAULT_MODEL_NAME
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,372 @@
+"""Llama-family models from a GGUF file (llama.cpp's format): config, tensors and tokenizer.
+
+A GGUF file holds the whole model: metadata (hyper-parameters, the tokenizer's vocabulary and
+merges, the chat template) and tensors, many of them quantized in blocks. ``GGUFIndex`` gives the
+loader in ``checkpoint.py`` the same view a safetensors checkpoint gives it — tensors by their
+Hugging Face names, in Hugging Face layout — so a stage reads only its own tensors, in chunks of
+rows, each chunk dequantized (with the ``gguf`` package) and its pages of the mapped file handed
+back before the next is read.
+
+Two differences from a Hugging Face checkpoint are undone here: GGUF lists a 2-D tensor's
+dimensions innermost first (``[in, out]`` for an ``[out, in]`` weight), and llama.cpp's converter
+reorders the rows of each Q and K head for its RoPE (the two rotated halves of a head interleaved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import mmap
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from pipejax.runner.checkpoint import CheckpointError
+from pipejax.runner.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# The types pipejax dequantizes (each row of a 2-D tensor is whole blocks, so rows read alone).
+SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Hugging Face name -> GGUF name (llama.cpp's tensor names for the "llama" architecture).
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file pipejax cannot load: unreadable, truncated, another architecture or tensor type."""
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file ``path`` names: a ``.gguf`` file, or a folder (without config.json) holding one."""
+    path = Path(path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise ValueError(f"{str(path)!r} holds several GGUF files ({names}); pass the one to load as --model")
+    return found[0] if found else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: innermost first ([in, out] for an [out, in] weight)
+    qtype: QType | int  # an int when the gguf package does not know the type
+    data_offset: int  # from the start of the file
+    n_bytes: int
+
+
+# GGUF metadata value types -> struct format (8: string, 9: array are read apart).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+class _Header:
+    """The header of a GGUF file: metadata and tensor table, parsed with ``struct`` (the gguf package's
+    reader builds a numpy view per token string, seconds for a 49k-token vocabulary; this takes ~0.1 s)."""
+
+    def __init__(self, data: bytes | mmap.mmap, file_size: int):
+        self.data, self.pos = data, 0
+        if self._take("<I") != gguf.GGUF_MAGIC:
+            raise ValueError("no GGUF magic number")
+        version, tensor_count, kv_count = self._take("<I"), self._take("<Q"), self._take("<Q")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (pipejax reads 2 and 3)")
+        self.fields = {}
+        for _ in range(kv_count):
+            key = self._string()
+            self.fields[key] = self._value(self._take("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = tuple(self._take("<Q") for _ in range(self._take("<I")))
+            infos.append((name, dims, self._take("<I"), self._take("<Q")))
+        alignment = int(self.fields.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+        data_start = -(-self.pos // alignment) * alignment
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            qtype = QType(type_id) if type_id in QType._value2member_map_ else type_id
+            n_bytes = 0
+            if qtype in gguf.GGML_QUANT_SIZES:
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                n_bytes = int(np.prod(dims, dtype=np.int64)) // block * size
+            self.tensors[name] = TensorInfo(name, dims, qtype, data_start + offset, n_bytes)
+
+    def _take(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._take("<Q")
+        self.pos += n
+        return bytes(self.data[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def _value(self, kind: int):
+        if kind == 8:
+            return self._string()
+        if kind == 9:
+            item, n = self._take("<I"), self._take("<Q")
+            if item in _SCALARS:  # a numeric array in one read
+                fmt = f"<{n}{_SCALARS[item]}"
+                values = list(struct.unpack_from(fmt, self.data, self.pos))
+                self.pos += struct.calcsize(fmt)
+                return values
+            return [self._value(item) for _ in range(n)]
+        if kind not in _SCALARS:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self._take("<" + _SCALARS[kind])
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, mtime_ns: int, size: int) -> _Header:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        try:
+            header = _Header(mapped, size)
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:  # a cut-off or foreign file
+            raise GGUFError(
+                f"{str(path)!r} ({size} bytes) is not a readable GGUF file ({exc}); is it truncated? download it again"
+            ) from exc
+        header.data = None  # parsed: drop the reference to the map
+    for t in header.tensors.values():
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFError(
+                f"{str(path)!r} is truncated: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes} "
+                f"but the file has {size} bytes; download it again"
+            )
+    return header
+
+
+def open_reader(path: str | Path) -> _Header:
+    """The file's metadata and tensor table (parsed once per process; the tensor data stays on disk)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _read_header(path, stat.st_mtime_ns, stat.st_size)
+
+
+def _field(reader: _Header, key: str, default=None):
+    return reader.fields.get(key, default)
+
+
+def hf_config(reader: _Header, path: str | Path = "") -> dict:
+    """The model's hyper-parameters as a Hugging Face ``config.json`` dict (LlamaForCausalLM)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"GGUF file {str(path)!r} holds a {arch!r} model; pipejax loads GGUF architectures "
+            f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))} (for others give the Hugging Face checkpoint folder)"
+        )
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    tensor_names = set(reader.tensors)
+    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
+        raise GGUFError(
+            f"GGUF file {str(path)!r} uses RoPE scaling ({scaling!r}, rope_freqs); pipejax's GGUF loader supports "
+            f"plain RoPE only; give the Hugging Face checkpoint folder instead"
+        )
+
+    def meta(key, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"GGUF file {str(path)!r} lacks metadata {arch}.{key}; is it a complete llama.cpp model?")
+        return value
+
+    heads = int(meta("attention.head_count"))
+    hidden = int(meta("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    theta = float(meta("rope.freq_base", 10000.0))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta("vocab_size", len(tokens) if tokens else None)),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
+        "head_dim": int(meta("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "dtype": "float32",  # what the tensors are dequantized to unless the caller asks for bfloat16
+    }
+
+
+def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config(open_reader(path), path), dtype=dtype)
+
+
+class GGUFTensor:
+    """A tensor of the file in Hugging Face layout, read and dequantized by rows: ``tensor[r0:r1]``."""
+
+    def __init__(self, raw: np.ndarray, qtype: QType, shape: tuple[int, ...], rope_heads: int | None):
+        self.raw = raw  # [rows, bytes per row] (a 1-D tensor is one row of raw bytes)
+        self.qtype = qtype
+        self.shape = shape
+        self.rope_heads = rope_heads  # Q/K: the head count whose rows llama.cpp interleaved
+        self.nbytes = int(np.prod(shape)) * 4  # dequantized (float32) size, which sets the chunk size
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        r0, r1, _ = rows.indices(self.shape[0])
+        if len(self.shape) == 1:
+            return gguf.quants.dequantize(self.raw, self.qtype).reshape(-1)[r0:r1]
+        values = gguf.quants.dequantize(self.raw[r0:r1], self.qtype).reshape(r1 - r0, *self.shape[1:])
+        if self.rope_heads is None:
+            return values
+        head_dim = self.shape[0] // self.rope_heads
+        assert r0 % head_dim == 0 and r1 % head_dim == 0, (r0, r1, head_dim)  # whole heads only
+        # llama.cpp stores head rows as pairs (i, D/2 + i); put the two halves back one after the other.
+        heads = values.reshape((r1 - r0) // head_dim, head_dim // 2, 2, *self.shape[1:])
+        return heads.swapaxes(1, 2).reshape(values.shape)
+
+
+class GGUFIndex:
+    """Hugging Face name -> ``GGUFTensor`` over a memory-mapped GGUF file (the loader's checkpoint view)."""
+
+    def __init__(self, path: str | Path):
+        self.path = find_gguf(path) or Path(path)
+        reader = open_reader(self.path)
+        config = hf_config(reader, self.path)
+        self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.tensors = reader.tensors
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def __enter__(self) -> GGUFIndex:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a caller still holds a view; the map closes when that view is freed
+            pass
+
+    @staticmethod
+    def gguf_name(hf_name: str) -> str:
+        if hf_name in _GLOBAL_NAMES:
+            return _GLOBAL_NAMES[hf_name]
+        _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.<rest>
+        return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+
+    def _entry(self, hf_name: str, expected_shape: tuple[int, ...]):
+        name = self.gguf_name(hf_name)
+        if name not in self.tensors:
+            raise GGUFError(
+                f"tensor {name!r} ({hf_name}, expected shape {list(expected_shape)}) is missing from GGUF file "
+                f"{str(self.path)!r}; is the file complete and a llama.cpp 'llama' model?"
+            )
+        return name, self.tensors[name]
+
+    def read(self, hf_name: str, expected_shape: tuple[int, ...]) -> GGUFTensor:
+        name, t = self._entry(hf_name, expected_shape)
+        shape = tuple(reversed(t.dims))  # GGUF lists dimensions innermost first
+        if shape != tuple(expected_shape):
+            raise GGUFError(
+                f"tensor {name!r} ({hf_name}) in {self.path.name} has shape {list(shape)} but the metadata implies "
+                f"{list(expected_shape)}; the file is inconsistent"
+            )
+        if t.qtype not in SUPPORTED_TYPES:
+            type_name = t.qtype.name if isinstance(t.qtype, QType) else f"{t.qtype} (unknown to the gguf package)"
+            raise GGUFError(
+                f"tensor {name!r} in {self.path.name} has type {type_name}; pipejax dequantizes "
+                f"{', '.join(q.name for q in SUPPORTED_TYPES)}; use a file quantized to one of those "
+                f"(llama.cpp's llama-quantize) or the Hugging Face checkpoint"
+            )
+        rows = shape[0] if len(shape) > 1 else 1
+        raw = np.frombuffer(self._map, np.uint8, t.n_bytes, t.data_offset).reshape(rows, -1)
+        rope_heads = {"attn_q.weight": self.num_heads, "attn_k.weight": self.num_kv_heads}.get(name.split(".", 2)[-1])
+        return GGUFTensor(raw, t.qtype, shape, rope_heads)
+
+    def read_all(self, hf_name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+        """The whole tensor, dequantized to float32, in Hugging Face layout."""
+        return self.read(hf_name, expected_shape)[:]
+
+    def release(self, hf_name: str, rows: tuple[int, int] | None = None) -> None:
+        """Drop the pages of ``hf_name`` (or of its rows ``[r0, r1)``) from this process."""
+        t = self.tensors[self.gguf_name(hf_name)]
+        first, nbytes = t.data_offset, t.n_bytes
+        if rows is not None and len(t.dims) > 1:
+            row_bytes = nbytes // t.dims[-1]
+            first, nbytes = first + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+        start = first // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, max(0, first + nbytes - start))
+
+
+# tokenizer.ggml.pre -> how text is split before byte-level BPE (llama.cpp's pre-tokenizer types).
+# "smollm" and its kin split every digit alone, then apply GPT-2's split.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
+_GPT2 = ("default", "gpt2", "gpt-2", None)
+
+
+def tokenizer(path: str | Path):
+    """The file's tokenizer: byte-level BPE from ``tokenizer.ggml.*``, special tokens, chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from pipejax.runner.tokenizer import Tokenizer as PipejaxTokenizer
+    from pipejax.runner.tokenizer import _apply_bos_eos_flags
+
+    path = find_gguf(path) or Path(path)
+    reader = open_reader(path)
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(
+            f"GGUF file {str(path)!r} has a {kind!r} tokenizer; pipejax builds byte-level BPE ('gpt2') tokenizers "
+            f"from GGUF metadata; give the Hugging Face checkpoint folder (with tokenizer.json) instead"
+        )
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    pre = _field(reader, "tokenizer.ggml.pre")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        if pre not in _GPT2:
+            log.warning("GGUF pre-tokenizer %r is not known to pipejax; splitting text as GPT-2 does", pre)
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    # 3 = control (e.g. <|im_end|>): matched whole, skipped when decoding; 4 = user-defined: matched whole.
+    kinds = list(zip(tokens, types, strict=True))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == 3])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == 4])
+
+    def token(key: str) -> str | None:
+        index = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    special = {f"{k}_token": token(k) for k in ("bos", "eos", "unknown", "padding")}
+    special = {name.replace("unknown", "unk").replace("padding", "pad"): t for name, t in special.items() if t}
+    flags = {f"add_{k}_token": bool(_field(reader, f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos")}
+    _apply_bos_eos_flags(backend, flags, special)
+    eos_ids = {i for i in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
+               if i is not None}
+    bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
+    return PipejaxTokenizer(backend, special, eos_ids, bos_id, _field(reader, "tokenizer.chat_template"))

