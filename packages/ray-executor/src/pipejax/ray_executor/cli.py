@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="each prompt is a user message, in the model's chat template")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -127,7 +128,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
-    outputs = llm.generate(args.prompts, params)
+    prompts = args.prompts
+    if args.chat:  # the template ends with the assistant's turn; generation stops at its end-of-turn token
+        tok = llm.engine.tokenizer
+        chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [{"prompt": p, "prompt_token_ids": tok.encode(c, add_special_tokens=False)}
+                   for p, c in zip(prompts, chats, strict=True)]
+    outputs = llm.generate(prompts, params)
     done = time.perf_counter()
     print(f"model: {llm.engine.config.model}")
     for info in llm.engine.executor.stage_infos():

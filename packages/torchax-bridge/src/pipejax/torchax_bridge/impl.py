@@ -25,7 +25,8 @@ from torchax.interop import jax_view, torch_view
 from transformers import AutoConfig
 
 from pipejax.pp_utils import logical_sharding
-from pipejax.runner.checkpoint import SafetensorsIndex
+from pipejax.runner import gguf_file
+from pipejax.runner.checkpoint import open_checkpoint
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.model import RULES, StepInputs, StepShape
 from pipejax.runner.model_impl import ModelImpl
@@ -49,19 +50,28 @@ class TorchStageParams:
     module: torch.nn.Module
 
 
+def _hf_config(path: str | Path):
+    """transformers' config of a checkpoint folder, or of a GGUF file (built from its metadata)."""
+    gguf = gguf_file.find_gguf(path)
+    if gguf is None:
+        return AutoConfig.from_pretrained(path)
+    hf = gguf_file.hf_config(gguf_file.open_reader(gguf), gguf)
+    return AutoConfig.for_model(hf.pop("model_type"), **hf)
+
+
 def load_stage_params(path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh) -> TorchStageParams:
     """Build the stage's module and read only its tensors, each straight into its TP sharding."""
     tp = mesh.shape["tp"]
-    config = stage_hf_config(AutoConfig.from_pretrained(path), cfg, stage)
+    config = stage_hf_config(_hf_config(path), cfg, stage)
     module = build_stage_module(config, cfg, stage)
     specs = stage_param_specs(module, cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     weights: dict[str, jax.Array] = {}
     by_checkpoint_name: dict[str, jax.Array] = {}  # a tied embedding is read once on a pp=1 stage
-    with SafetensorsIndex(path) as ckpt:
+    with open_checkpoint(path) as ckpt:  # safetensors, or a GGUF file dequantized into HF layout
         for name, spec in specs.items():
             if spec.checkpoint_name not in by_checkpoint_name:
-                host = ckpt.read(spec.checkpoint_name, spec.shape)
+                host = ckpt.read_all(spec.checkpoint_name, spec.shape)
                 sharding = logical_sharding(mesh, spec.logical_axes, RULES)
                 array = jax.device_put(np.ascontiguousarray(host.astype(dtype, copy=False)), sharding)
                 by_checkpoint_name[spec.checkpoint_name] = array

@@ -109,8 +109,11 @@ class StageWorker:
 
     # --- set-up, in the order an executor calls it ------------------------------------------
 
-    def available_kv_blocks(self) -> int:
-        """KV blocks this stage could hold: an explicit count, or a fraction of free memory."""
+    def available_kv_blocks(self, stages_on_host: int = 1) -> int:
+        """KV blocks this stage could hold: an explicit count, or a fraction of free memory.
+
+        On CPU the host's RAM is shared by every device of this process and, where each stage is its own
+        process (Ray actors), by the ``stages_on_host`` stages the executor placed on this host."""
         cache = self.config.cache
         if cache.num_blocks is not None:
             return cache.num_blocks
@@ -118,7 +121,8 @@ class StageWorker:
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         else:  # CPU: devices share host RAM
-            free = psutil.virtual_memory().available / max(1, len(jax.local_devices()))
+            sharers = max(len(jax.local_devices()), stages_on_host * len(self.devices))
+            free = psutil.virtual_memory().available / sharers
         per_block = kv_bytes_per_block(self.model_config, self.stage, self.config.tp_size, cache.block_size)
         max_len = min(cache.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)

@@ -85,7 +85,9 @@ class RayExecutor(Executor):
             timeout=timeout,
         )
         self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
-        self.num_kv_blocks = min(self.collective_rpc("available_kv_blocks"))
+        # On CPU, stages on one host share its RAM: each sizes its KV cache for the most crowded host.
+        crowded = max(p["local_world_size"] for p in self.placement)
+        self.num_kv_blocks = min(self.collective_rpc("available_kv_blocks", stages_on_host=crowded))
         self.block_size = config.cache.block_size
         self.collective_rpc("load", self.num_kv_blocks)
         log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))
