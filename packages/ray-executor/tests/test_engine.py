@@ -11,7 +11,8 @@ from pipejax.ray_executor.llm import resolve_model
 @pytest.fixture(scope="module")
 def llm_pp2():
     llm = LLM("builtin", pipeline_parallel_size=2, tensor_parallel_size=2, num_kv_blocks=160, block_size=16,
-              warmup=False)
+              warmup=False,
+              step_trace_len=4096)
     yield llm
     llm.shutdown()
 

@@ -39,6 +39,8 @@ def run_engine(path, layout: str, num_kv_blocks: int):
     )
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        # tracing is off by default: nothing kept per step
+        assert not llm.engine.in_flight_trace and llm.engine.executor.step_trace() == []
         return [o.outputs[0].token_ids for o in outputs], llm.engine.scheduler
     finally:
         llm.shutdown()

@@ -57,6 +57,7 @@ def run(pp: int, tp: int, compiled: bool = False):
         num_kv_blocks=128,
         warmup=False,
         ray_compiled_graph=compiled,
+        step_trace_len=1024,
     )
     outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return llm, outputs
@@ -109,6 +110,9 @@ def test_compiled_graph_mode_matches_and_pipelines(expected):
         assert llm.engine.executor.pipeline is not None  # the graph really ran the steps
         assert outputs == expected
         assert max(n for _, n in llm.engine.in_flight_trace) > 1
+        # collective_rpc reaches the stages while they sit in the graph (their main thread)
+        assert [i.pp_rank for i in llm.engine.executor.stage_infos()] == [0, 1, 2, 3]
+        assert {0, 1, 2, 3} <= {step for _, step, _, _ in llm.engine.executor.step_trace()}
         llm.shutdown()
     finally:
         stop_cluster(cluster)

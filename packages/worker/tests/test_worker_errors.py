@@ -31,20 +31,32 @@ def test_tp_size_not_matching_given_devices(checkpoint):
 
 
 def test_execute_before_load(checkpoint):
-    w = StageWorker(WorkerConfig(str(checkpoint[0]), StageConfig(0, 1), tp_size=1, cache=CACHE))
+    w = StageWorker(WorkerConfig(str(checkpoint[0]), StageConfig(0, 1), tp_size=1, cache=CACHE, step_trace_len=8))
     with pytest.raises(RuntimeError, match=r"stage 0: call load\(num_blocks\) before executing"):
         w.execute_model(BATCH)
     with pytest.raises(RuntimeError, match=r"load\(num_blocks\)"):
         w.warmup_batches()
-    assert w.trace == []
+    assert w.step_trace() == []
 
 
 def test_silent_previous_stage_times_out_naming_the_step(checkpoint):
-    config = WorkerConfig(str(checkpoint[0]), StageConfig(1, 2), tp_size=2, cache=CACHE, receive_timeout_s=0.5)
+    config = WorkerConfig(
+        str(checkpoint[0]), StageConfig(1, 2), tp_size=2, cache=CACHE, receive_timeout_s=0.5, step_trace_len=8
+    )
     w = StageWorker(config, jax.devices()[2:4], recv=InProcessTransport("stage 0"))
     w.load(CACHE.num_blocks)
     start = time.monotonic()
     with pytest.raises(TransportTimeout, match=r"step 7: no activations from stage 0 after 0\.5s"):
         w.execute_model(BATCH)
     assert time.monotonic() - start < 5
-    assert w.trace == []  # a failed step is not recorded
+    assert w.step_trace() == []  # a failed step is not recorded
+
+
+@pytest.mark.parametrize(("trace_len", "traced"), [(0, []), (2, [8, 9])])
+def test_step_trace_is_opt_in_and_keeps_only_the_last_steps(checkpoint, trace_len, traced):
+    config = WorkerConfig(str(checkpoint[0]), StageConfig(0, 1), tp_size=1, cache=CACHE, step_trace_len=trace_len)
+    w = StageWorker(config)
+    w.load(CACHE.num_blocks)
+    for step in (7, 8, 9):
+        w.execute_model(ModelBatch(step, BATCH.requests))
+    assert [step for _, step, _, _ in w.step_trace()] == traced

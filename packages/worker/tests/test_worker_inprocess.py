@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 def make_pipeline(path, cache=CACHE) -> list[StageWorker]:
     devices = jax.devices()
     link = InProcessTransport("stage 0")
-    configs = [WorkerConfig(str(path), StageConfig(i, 2), tp_size=2, cache=cache) for i in range(2)]
+    configs = [WorkerConfig(str(path), StageConfig(i, 2), tp_size=2, cache=cache, step_trace_len=64) for i in range(2)]
     return [
         StageWorker(configs[0], devices[0:2], send=link),
         StageWorker(configs[1], devices[2:4], recv=link),
@@ -89,7 +89,7 @@ def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):
         seconds = w.warmup(batches, progress=False)
         assert seconds > 0
         assert len(w.runner.compiled_shapes) == len(batches)
-        assert w.trace == []  # warm-up steps are not traced
+        assert w.step_trace() == []  # warm-up steps are not traced
     warm_shapes = [set(w.runner.compiled_shapes) for w in workers]
 
     outputs = greedy_decode(lambda b: run_pipeline(workers, b), PROMPTS, MAX_NEW_TOKENS)

@@ -108,7 +108,7 @@ def test_last_stage_in_another_process_equals_transformers(checkpoint, hf_expect
         jax.devices()[0:2],
         send=TransferServerTransport("127.0.0.1", bulk_connections=2),
     )
-    last_config = WorkerConfig(path, StageConfig(1, 2), tp_size=2, cache=CACHE, receive_timeout_s=60)
+    last_config = WorkerConfig(path, StageConfig(1, 2), tp_size=2, cache=CACHE, receive_timeout_s=60, step_trace_len=64)
     last = StageProcess(last_config, first.send.address, tmp_path / "stage1.stderr")
     try:
         assert last.info.pp_rank == 1 and last.info.layers == (2, 4)
@@ -124,7 +124,7 @@ def test_last_stage_in_another_process_equals_transformers(checkpoint, hf_expect
             return last.call("execute_model", batch)
 
         assert greedy_decode(execute, PROMPTS, MAX_NEW_TOKENS) == hf_expected
-        assert [step for _, step, _, _ in last.call("trace")] == list(range(MAX_NEW_TOKENS))
+        assert [step for _, step, _, _ in last.call("step_trace")] == list(range(MAX_NEW_TOKENS))
     finally:
         last.close()
     assert last.proc.returncode == 0

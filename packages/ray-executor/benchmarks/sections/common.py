@@ -66,7 +66,8 @@ def compiled_shapes(llm) -> int:
 
 
 def engine_kwargs(max_num_seqs: int = NUM_PROMPTS, max_num_batched_tokens: int = 2048) -> dict[str, Any]:
-    """LLM settings of every section: an explicit KV cache sized for the workload (not from free memory)."""
+    """LLM settings of every section: an explicit KV cache sized for the workload (not from free memory), and
+    step traces kept (a few thousand steps: every section's timed runs)."""
     per_request = -(-MAX_MODEL_LEN // BLOCK_SIZE)
     return {
         "block_size": BLOCK_SIZE,
@@ -74,6 +75,7 @@ def engine_kwargs(max_num_seqs: int = NUM_PROMPTS, max_num_batched_tokens: int =
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "step_trace_len": 1 << 14,
     }
 
 

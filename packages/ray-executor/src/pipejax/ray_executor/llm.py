@@ -60,6 +60,7 @@ class LLM:
         ray_compiled_graph: bool = False,
         pin_stage_cpus: bool = False,
         max_batches_in_flight: int | None = None,
+        step_trace_len: int = 0,
     ):
         config = EngineConfig(
             model=resolve_model(model),
@@ -83,6 +84,7 @@ class LLM:
             ray_compiled_graph=ray_compiled_graph,
             pin_stage_cpus=pin_stage_cpus,
             max_batches_in_flight=max_batches_in_flight,
+            step_trace_len=step_trace_len,
         )
         self._start(config, warmup)
 

@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import jax
@@ -62,6 +63,7 @@ class WorkerConfig:
     model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
     receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
+    step_trace_len: int = 0  # keep (pp_rank, step_id, start, end) of the last N steps (0: trace nothing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,8 @@ class StageWorker:
         self.recv, self.send = recv, send
         self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
         self.runner: StageRunner | None = None
-        self.trace: list[tuple[int, int, float, float]] = []  # (pp_rank, step_id, start, end)
+        # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
+        self.trace: deque[tuple[int, int, float, float]] = deque(maxlen=config.step_trace_len)
         self.bytes_sent = 0  # activation bytes sent to the next stage
         # wall-clock (start, end) of each set-up phase that ran: "init", "load", "warmup"
         self.setup_times: dict[str, tuple[float, float]] = {"init": (created, time.time())}
@@ -187,7 +190,7 @@ class StageWorker:
             self.send.send(batch.step_id, out)
             self.bytes_sent += sum(int(v.nbytes) for v in out.values())
             out = None
-        if batch.step_id < WARMUP_STEP_BASE:
+        if self.config.step_trace_len and batch.step_id < WARMUP_STEP_BASE:
             self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
 

@@ -46,8 +46,7 @@ class LLMEngine:
         config = dataclasses.replace(config, parallel=checked_layout(config.parallel))
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
-        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         self.executor = executor or executor_class(config.parallel.distributed_executor_backend)(config)
         cache = config.cache
         blocks = BlockManager(self.executor.num_kv_blocks, self.executor.block_size)
@@ -65,7 +64,8 @@ class LLMEngine:
         )
         self.dead: EngineDeadError | None = None
         self._in_flight: deque[tuple[ModelBatch, Future[SamplerOutput]]] = deque()
-        self.in_flight_trace: list[tuple[float, int]] = []  # (time, batches in flight) after each submit
+        # (time, batches in flight) after each submit, for the last ``config.step_trace_len`` submits
+        self.in_flight_trace: deque[tuple[float, int]] = deque(maxlen=config.step_trace_len)
 
     # --- requests ----------------------------------------------------------------------------
 
@@ -115,7 +115,8 @@ class LLMEngine:
             batch = self.scheduler.schedule(max_seqs=max(1, math.ceil(self.scheduler.num_active() / depth)))
             if batch is not None:
                 self._in_flight.append((batch, self.executor.execute_model(batch)))
-                self.in_flight_trace.append((time.perf_counter(), len(self._in_flight)))
+                if self.config.step_trace_len:
+                    self.in_flight_trace.append((time.perf_counter(), len(self._in_flight)))
         if not self._in_flight:
             return []
         full = len(self._in_flight) >= self.executor.max_concurrent_batches

@@ -22,8 +22,7 @@ from pipejax.pp_utils import InProcessTransport, stage_devices
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.executor.base import Executor
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.config import StageConfig
-from pipejax.worker import StageWorker, WorkerConfig
+from pipejax.worker import StageWorker
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +51,9 @@ class InProcessExecutor(Executor):
         links = [InProcessTransport(f"stage {i}") for i in range(par.pipeline_parallel_size - 1)]
         self.workers = []
         for rank, devices in enumerate(groups):
-            wc = WorkerConfig(
-                model=config.model,
-                stage=StageConfig(rank, par.pipeline_parallel_size, par.pp_layer_partition),
-                tp_size=par.tensor_parallel_size,
-                cache=config.cache,
-                dtype=config.dtype,
-                seed=config.seed,
-                model_impl=config.model_impl,
-            )
             recv = links[rank - 1] if rank > 0 else None
             send = links[rank] if rank < len(links) else None
-            self.workers.append(StageWorker(wc, devices, recv, send))
+            self.workers.append(StageWorker(config.worker_config(rank), devices, recv, send))
         # Every stage holds the same block ids, so all use the smallest count any can afford.
         self.num_kv_blocks = min(w.available_kv_blocks() for w in self.workers)
         self.block_size = config.cache.block_size

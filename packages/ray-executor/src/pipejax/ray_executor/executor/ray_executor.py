@@ -28,8 +28,6 @@ from pipejax.ray_executor.executor.ray_placement import (
 from pipejax.ray_executor.executor.stage_actor import StageActor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.config import StageConfig
-from pipejax.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +73,7 @@ class RayExecutor(Executor):
                 timeout=timeout)
         addresses = ray.get(
             [
-                a.init_worker.remote(self._worker_config(rank), self.placement[rank]["ip"], self._name(rank))
+                a.init_worker.remote(config.worker_config(rank), self.placement[rank]["ip"], self._name(rank))
                 for rank, a in enumerate(self.actors)
             ],
             timeout=timeout,
@@ -109,18 +107,6 @@ class RayExecutor(Executor):
                 )
             out.append(cores[p["local_rank"] * share : (p["local_rank"] + 1) * share])
         return out
-
-    def _worker_config(self, rank: int) -> WorkerConfig:
-        par = self.config.parallel
-        return WorkerConfig(
-            model=self.config.model,
-            stage=StageConfig(rank, par.pipeline_parallel_size, par.pp_layer_partition),
-            tp_size=par.tensor_parallel_size,
-            cache=self.config.cache,
-            dtype=self.config.dtype,
-            seed=self.config.seed,
-            model_impl=self.config.model_impl,
-        )
 
     def _name(self, rank: int) -> str:
         p = self.placement[rank]
