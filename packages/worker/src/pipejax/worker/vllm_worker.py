@@ -272,10 +272,12 @@ class VllmStageWorker(WorkerBase):
     def pipejax_stats(self) -> dict:
         """Not vLLM's: ``llm.collective_rpc("pipejax_stats")`` for tests and logs."""
         sw = self.stage_worker
+        layers = sw.stage.layer_range(sw.model_config)
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "pp_rank": sw.stage.pp_rank,
+            "layers": (layers.start, layers.stop),
             "devices": [str(d) for d in sw.devices],
             "num_blocks": sw.runner.num_blocks if sw.runner else 0,
             "activation_bytes_sent": self.stage_worker.send.bytes if self.stage_worker.send else 0,

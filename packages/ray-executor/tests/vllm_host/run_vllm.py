@@ -1,0 +1,72 @@
+"""One engine run in a fresh process: vLLM's own ``LLM`` on pipejax's platform, or pipejax's ``LLM``.
+
+    python run_vllm.py '<json spec>'   -> prints one line ``RESULT <json>``
+
+Spec: engine ("vllm" | "pipejax"), model, pp, tp, backend, prompt batches (lists of token-id
+lists, generated one batch after the other), max_tokens, and vLLM options (num_gpu_blocks_override,
+max_num_batched_tokens). A Ray run starts a local cluster that declares one ``TPU`` resource per
+stage (what vLLM's Ray executors place workers by) and shares it with vLLM's engine core process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def run_vllm(spec: dict) -> dict:
+    import vllm
+
+    ray = None
+    if spec["backend"] == "ray":
+        import ray
+
+        ctx = ray.init(address="local", resources={"TPU": spec["pp"]}, include_dashboard=False)
+        os.environ["RAY_ADDRESS"] = ctx.address_info["address"]  # the engine core process joins it
+    llm = vllm.LLM(
+        model=spec["model"],
+        pipeline_parallel_size=spec["pp"],
+        tensor_parallel_size=spec["tp"],
+        distributed_executor_backend=spec["backend"],
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 64),  # long prompts prefill in chunks
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
+        seed=0,
+    )
+    try:
+        params = vllm.SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+        outputs = []
+        for batch in spec["batches"]:
+            done = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            outputs.append([list(o.outputs[0].token_ids) for o in done])
+        stats = llm.collective_rpc("pipejax_stats")
+        return {"outputs": outputs, "stats": stats}
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # before Ray goes: the engine core still uses the cluster
+        if ray is not None:
+            ray.shutdown()
+
+
+def run_pipejax(spec: dict) -> dict:
+    from pipejax.ray_executor import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], pipeline_parallel_size=spec["pp"], tensor_parallel_size=spec["tp"],
+              pp_layer_partition=spec.get("partition"),
+              distributed_executor_backend="ray" if spec["backend"] == "ray" else "uni", dtype="float32",
+              max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+        outputs = [[list(o.outputs[0].token_ids) for o in llm.generate(batch, params)] for batch in spec["batches"]]
+        return {"outputs": outputs}
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    result = run_vllm(spec) if spec["engine"] == "vllm" else run_pipejax(spec)
+    print("RESULT " + json.dumps(result), flush=True)

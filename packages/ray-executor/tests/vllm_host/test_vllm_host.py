@@ -1,0 +1,264 @@
+"""vLLM 0.32's own engine serving through pipejax's platform, worker and runner.
+
+Each engine runs in a fresh process (``run_vllm.py``): vLLM's ``LLM`` with its scheduler (chunked
+prefill, prefix caching, preemption by a small KV cache) and executors (uni, mp, and both Ray
+executors), on JAX's CPU backend with simulated devices. The oracle is transformers' greedy
+``generate`` in fp32 on the same checkpoint; pipejax's own ``LLM`` runs the same prompts too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from pipejax.runner.builtin_model import write_byte_tokenizer, write_checkpoint
+
+HERE = Path(__file__).parent
+VOCAB = 320  # the byte-level test tokenizer needs >= 261 ids
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+MAX_TOKENS = 12
+SHARED_PREFIX = 56  # tokens: 3 whole blocks of 16 and part of a fourth
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "TOKENIZERS_PARALLELISM": "false", **extra}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / "run_vllm.py"), json.dumps(spec)], capture_output=True,
+                          text=True, timeout=timeout, env=engine_env(**env))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine run failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(path, {**TINY, "architectures": [request.param]}, seed=0)
+    write_byte_tokenizer(path, VOCAB)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return str(path), model
+
+
+def workload(seed: int = 0) -> list[list[list[int]]]:
+    """Two batches of 16 concurrent prompts. Half of each share one long prefix (the second batch
+    finds it in the prefix cache, the first finds what its earlier requests computed); the rest
+    are random lengths up to 60 tokens (prefilled in 64-token chunks beside the others)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(SHARED_PREFIX)]
+
+    def batch():
+        shared = [prefix + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 9))] for _ in range(8)]
+        other = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 61))] for _ in range(8)]
+        return [p for pair in zip(shared, other, strict=True) for p in pair]
+
+    return [batch(), batch()]
+
+
+def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+LAYOUTS = [  # (pp, tp, executor, uneven layer split, KV blocks: few enough to force preemption)
+    pytest.param(1, 1, "uni", None, 24, id="pp1-tp1-uni"),
+    pytest.param(1, 2, "uni", None, 24, id="pp1-tp2-uni"),
+    pytest.param(2, 1, "mp", None, 24, id="pp2-tp1-mp"),
+    pytest.param(2, 2, "ray", None, 24, id="pp2-tp2-ray"),
+    pytest.param(3, 2, "ray", "1,3,2", 24, id="pp3-tp2-ray-uneven"),
+]
+
+
+@pytest.mark.parametrize(("pp", "tp", "backend", "partition", "blocks"), LAYOUTS)
+def test_vllm_engine_matches_transformers(checkpoint, pp, tp, backend, partition, blocks):
+    path, model = checkpoint
+    batches = workload()
+    spec = {"engine": "vllm", "model": path, "pp": pp, "tp": tp, "backend": backend, "batches": batches,
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": blocks}
+    env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
+    got = run_engine(spec, **env)
+    want = [hf_greedy(model, b) for b in batches]
+    for b, (g, w) in enumerate(zip(got["outputs"], want, strict=True)):
+        bad = [i for i in range(len(w)) if g[i] != w[i]]
+        assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
+
+    stats = got["stats"]
+    assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
+    assert all(len(s["devices"]) == tp for s in stats)  # ... owning its TP devices
+    layers = [s["layers"] for s in stats]
+    if partition:
+        assert [b - a for a, b in layers] == [int(n) for n in partition.split(",")]
+    assert layers[0][0] == 0 and layers[-1][1] == TINY["num_hidden_layers"]
+    first = stats[0]
+    assert first["prefix_hits"] > 0, "no request found its prefix in vLLM's prefix cache"
+    assert first["resumed"] > 0, f"{blocks} KV blocks forced no preemption"
+    assert all(s["num_blocks"] == blocks for s in stats)
+    if pp > 1:  # activations took pipejax's transport: every non-last stage sent them itself
+        assert all(s["activation_bytes_sent"] > 0 for s in stats[:-1])
+
+
+@pytest.mark.parametrize(("pp", "tp", "backend", "partition"), [
+    pytest.param(2, 1, "mp", None, id="pp2-tp1"),
+    pytest.param(3, 2, "ray", "1,3,2", id="pp3-tp2-uneven"),
+])
+def test_vllm_engine_matches_pipejax_engine(checkpoint, pp, tp, backend, partition):
+    path, _ = checkpoint
+    batches = workload(seed=1)
+    spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": batches, "max_tokens": MAX_TOKENS,
+            "partition": partition}
+    env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
+    ours = run_engine({**spec, "engine": "pipejax"})
+    theirs = run_engine({**spec, "engine": "vllm"}, **env)
+    assert theirs["outputs"] == ours["outputs"]
+
+
+def test_legacy_compiled_graph_ray_executor(checkpoint):
+    """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's compiled graph carries each stage's output to the
+    next; pipejax hands it only a step handle while the activations take the transfer server."""
+    path, model = checkpoint
+    batches = workload(seed=2)[:1]
+    spec = {"engine": "vllm", "model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": batches,
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": 24}
+    got = run_engine(spec, VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0")
+    assert got["outputs"] == [hf_greedy(model, batches[0])]
+    assert got["stats"][0]["activation_bytes_sent"] > 0
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve")
+    write_checkpoint(path, {**TINY, "architectures": ["LlamaForCausalLM"]}, seed=0)
+    write_byte_tokenizer(path, VOCAB)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster that declares 4 ``TPU`` resources (vLLM's Ray executors place by them)."""
+    import ray
+
+    ctx = ray.init(address="local", resources={"TPU": 4}, include_dashboard=False)
+    yield ctx.address_info["address"]
+    ray.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(llama, ray_cluster):
+    """``vllm serve <checkpoint> -pp 2 -tp 2 --distributed-executor-backend ray``, as a user runs it."""
+    import time
+    import urllib.request
+
+    path, _ = llama
+    port = _free_port()
+    vllm_cli = Path(sys.executable).with_name("vllm")
+    cmd = [str(vllm_cli), "serve", path, "-pp", "2", "-tp", "2", "--distributed-executor-backend", "ray",
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--served-model-name", "tiny"]
+    log = open(Path(path) / "serve.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(RAY_ADDRESS=ray_cluster))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    try:
+        while True:
+            assert proc.poll() is None, f"vllm serve exited:\n{(Path(path) / 'serve.log').read_text()[-6000:]}"
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"vllm serve not healthy:\n{(Path(path) / 'serve.log').read_text()[-6000:]}"
+            time.sleep(2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+
+
+def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
+    import openai
+
+    path, model = llama
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
+    prompt = [5, 77, 200, 31, 64, 9, 150]
+    want = hf_greedy(model, [prompt])[0]
+
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert done.choices[0].token_ids == want
+    assert done.choices[0].text == tokenizer.decode(want)
+
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == tokenizer.decode(hf_greedy(model, [list(chat_ids)])[0])
+    parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat.choices[0].message.content
+
+
+def test_vllm_serve_refuses_unsupported_sampling_and_keeps_serving(vllm_server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                  extra_body={"repetition_penalty": 1.3})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, logit_bias={"9": 5})
+    ok = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
+    assert ok.choices[0].text is not None and ok.usage.completion_tokens >= 1

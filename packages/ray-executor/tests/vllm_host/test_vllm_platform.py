@@ -1,0 +1,77 @@
+"""pipejax's vLLM platform on its own: what vLLM resolves, and what it refuses (no engine started)."""
+
+from __future__ import annotations
+
+import pytest
+import vllm
+import vllm.platforms
+from vllm.engine.arg_utils import EngineArgs
+
+from pipejax.platform_tpu.vllm_platform import PipejaxPlatform
+from pipejax.runner.builtin_model import write_checkpoint
+from pipejax.worker.vllm_requests import UnsupportedFeatureError, to_sampling_params
+
+TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "architectures": ["LlamaForCausalLM"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(path, TINY, seed=0)
+    return str(path)
+
+
+def test_vllm_resolves_pipejax_platform():
+    assert isinstance(vllm.platforms.current_platform, PipejaxPlatform)
+
+
+def test_config_hides_tp_inside_each_stage(checkpoint):
+    config = EngineArgs(model=checkpoint, tensor_parallel_size=2, pipeline_parallel_size=3,
+                        distributed_executor_backend="mp").create_engine_config()
+    pc = config.parallel_config
+    assert (pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.world_size) == (1, 3, 3)  # a rank per stage
+    opts = config.additional_config["pipejax"]
+    assert opts["tensor_parallel_size"] == 2
+    assert pc.worker_cls == "pipejax.worker.vllm_worker.VllmStageWorker"
+    assert config.cache_config.block_size == 16
+    assert config.scheduler_config.async_scheduling is False
+    # Each stage process gets 2 simulated devices of its own.
+    assert [env["XLA_FLAGS"] for env in opts["stage_environments"]] == [
+        "--xla_force_host_platform_device_count=2"] * 3
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"enable_lora": True}, "LoRA"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "Pipeline Parallelism without"),  # vLLM's
+    # pipejax's layout rule: 12 devices of one engine on a host of 8 simulated devices.
+    ({"tensor_parallel_size": 4, "pipeline_parallel_size": 3, "distributed_executor_backend": "mp"}, "needs 2 hosts"),
+])
+def test_unsupported_engine_configs_are_refused_by_name(checkpoint, kwargs, named):
+    with pytest.raises(Exception, match=named):
+        EngineArgs(model=checkpoint, **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
+    {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [5, 6]}, {"bad_words": ["x"]}, {"prompt_logprobs": 2},
+])
+def test_unsupported_sampling_is_refused_by_name(kwargs):
+    params = vllm.SamplingParams(**kwargs)
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        PipejaxPlatform.validate_request(None, params)
+    with pytest.raises(UnsupportedFeatureError, match=name):
+        to_sampling_params(params)
+
+
+def test_supported_sampling_translates():
+    ours = to_sampling_params(vllm.SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3,
+                                                  logprobs=4))
+    assert (ours.temperature, ours.top_p, ours.top_k, ours.min_p, ours.seed, ours.logprobs) == (
+        0.7, 0.9, 20, 0.05, 3, 4)
+    greedy = to_sampling_params(vllm.SamplingParams(temperature=0, top_p=0.5, top_k=3))
+    assert (greedy.temperature, greedy.top_p, greedy.top_k) == (0.0, 1.0, 0)
+    PipejaxPlatform.validate_request(None, vllm.SamplingParams(temperature=0.7, top_k=20, logprobs=4))
