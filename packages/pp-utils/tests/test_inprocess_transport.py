@@ -59,10 +59,13 @@ def _assert_values(got: IntermediateTensors, want: IntermediateTensors):
         np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
 
 
-def test_is_an_activation_transport():
+def test_is_an_activation_transport_and_close_drops_what_was_never_received():
     t = InProcessTransport()
     assert isinstance(t, ActivationTransport)
+    t.send(3, IntermediateTensors({"hidden_states": np.zeros((2, 4), np.float32)}))
+    assert t.pending() == 1
     t.close()
+    assert t.pending() == 0
     t.close()  # idempotent
 
 

@@ -49,7 +49,8 @@ def process_start_time() -> float:
 def child() -> None:
     """One cold start; prints a JSON line of phase -> seconds."""
     born = process_start_time()
-    from pipejax.ray_executor.cli import build_parser, configure_devices, engine_config_from_args
+    from pipejax.ray_executor.cli import build_parser
+    from pipejax.ray_executor.engine_args import configure_devices, engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--model", "builtin:bench", "--distributed-executor-backend", "ray",
                                       "--max-tokens", "1", "Hello, pipejax!"])

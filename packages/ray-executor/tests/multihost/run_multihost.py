@@ -216,7 +216,7 @@ def lose_a_host(llm, rank: int, workdir: Path, check: Checks, summary: dict) -> 
     name = f"stage {rank} (host {victim['host']}, ip {victim['ip']}"
     check("the error names the lost stage and host", name in str(error), f"want {name!r} in {str(error)!r}")
     check(f"detected within {ARGS.detect_limit_s:.0f}s", detect_s < ARGS.detect_limit_s, f"{detect_s:.1f}s")
-    failed = {o.request_id: o.outputs[0] for o in getattr(error, "failed_outputs", [])}
+    failed = {o.request_id: o.outputs[0] for o in error.failed_outputs}
     check("every in-flight request failed with the error",
           sorted(failed) == ids and all(o.finish_reason == "error" for o in failed.values()),
           str({k: o.finish_reason for k, o in failed.items()}))

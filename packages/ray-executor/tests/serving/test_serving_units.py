@@ -79,8 +79,8 @@ class FakeEngine:
     def step(self):
         time.sleep(0.01)
         if self.fail_next:
-            err = EngineDeadError("stage 1 (host h) failed on a step: boom")
-            err.failed_outputs = [self._output(rid, "error", "stage 1 (host h) failed") for rid in self.requests]
+            failed = [self._output(rid, "error", "stage 1 (host h) failed") for rid in self.requests]
+            err = EngineDeadError("stage 1 (host h) failed on a step: boom", failed)
             self.requests.clear()
             raise err
         outs = []

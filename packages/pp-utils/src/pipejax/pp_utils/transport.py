@@ -86,3 +86,8 @@ class InProcessTransport(ActivationTransport):
     def pending(self) -> int:
         with self._cond:
             return len(self._boxes)
+
+    def close(self) -> None:
+        """Drop activations that were sent but never received (e.g. after a failed step)."""
+        with self._cond:
+            self._boxes.clear()

@@ -10,7 +10,7 @@ F MLP width, V vocab, L stage layers.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -334,6 +334,3 @@ def stage_forward(
     logits = jnp.einsum("re,ev->rv", x, head).astype(jnp.float32)
     return logits, (k_all, v_all)
 
-
-def abstract_params(specs: dict[str, ParamSpec], dtype: str) -> dict[str, Any]:
-    return {k: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)) for k, s in specs.items()}

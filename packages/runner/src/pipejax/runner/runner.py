@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from pathlib import Path
 
 import jax
@@ -196,7 +195,3 @@ def _copy_blocks(kv: tuple[jax.Array, jax.Array], src: jax.Array, dst: jax.Array
     """kv: ([L, blocks, block_size, K, D], same); blocks ``dst[i]`` take the contents of ``src[i]``."""
     return tuple(c.at[:, dst].set(c[:, src]) for c in kv)
 
-
-def blocks_for_memory(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int, budget_bytes: int) -> int:
-    """How many KV blocks fit ``budget_bytes`` per device."""
-    return max(2, math.floor(budget_bytes / kv_bytes_per_block(cfg, stage, tp, block_size)))

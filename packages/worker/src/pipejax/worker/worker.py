@@ -194,6 +194,12 @@ class StageWorker:
             self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
 
+    def close(self) -> None:
+        """Close this stage's transports (idempotent): an executor's shutdown."""
+        for transport in (self.recv, self.send):
+            if transport is not None:
+                transport.close()
+
     # --- introspection (what an executor's collective_rpc reads) ----------------------------------
 
     def step_trace(self) -> list[tuple[int, int, float, float]]:

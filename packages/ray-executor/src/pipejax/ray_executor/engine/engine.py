@@ -20,7 +20,8 @@ from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler, SchedulerConfig
-from pipejax.ray_executor.executor.base import Executor, executor_class
+from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.factory import executor_class
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
 from pipejax.runner.config import ModelConfig
@@ -38,7 +39,12 @@ class StepTimeout(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The executor failed (a stage died, a host was lost, a step never came back). Every unfinished
-    request was failed with this error; the engine accepts no more work."""
+    request was failed with this error (``failed_outputs``: their last outputs, finish reason "error");
+    the engine accepts no more work."""
+
+    def __init__(self, reason: str, failed_outputs: Sequence[RequestOutput] = ()):
+        super().__init__(reason)
+        self.failed_outputs: list[RequestOutput] = list(failed_outputs)
 
 
 class LLMEngine:
@@ -148,13 +154,12 @@ class LLMEngine:
     def _die(self, batch: ModelBatch, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         log.error("engine stopped: %s", reason)
-        self.dead = EngineDeadError(reason)
         failed = self.scheduler.fail(batch, reason)
         for other, _ in self._in_flight:
             failed += self.scheduler.fail(other, reason)
         self._in_flight.clear()
         failed += self.scheduler.fail_all(reason)
-        self.dead.failed_outputs = [r.output() for r in failed]
+        self.dead = EngineDeadError(reason, [r.output() for r in failed])
         raise self.dead from exc
 
     def shutdown(self) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import time
 
 from pipejax.runner.batch import SamplingParams, TokenLogprobs
 from pipejax.runner.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,7 +62,6 @@ class Request:
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.in_flight = False  # part of a batch that has not come back yet
-        self.aborted = False
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -71,8 +69,6 @@ class Request:
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens) if tokenizer else None
         )
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -88,8 +84,6 @@ class Request:
 
     def append_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
         """Record a sampled token and decide whether the request stops here."""
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
@@ -122,7 +116,6 @@ class Request:
             self.text += self._detok.flush()
 
     def abort(self) -> None:
-        self.aborted = True
         self.finish_reason = "abort"
         self.status = RequestStatus.FINISHED
 

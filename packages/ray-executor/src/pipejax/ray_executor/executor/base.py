@@ -1,4 +1,5 @@
-"""The executor interface: run a batch through all stages, get a future of the last stage's output."""
+"""The executor interface: run a batch through all stages, get a future of the last stage's output;
+call any method of every stage's worker (``collective_rpc``). ``factory.py`` maps backend names to classes."""
 
 from __future__ import annotations
 
@@ -54,15 +55,3 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Stop workers; idempotent."""
 
-
-def executor_class(backend: str | None) -> type[Executor]:
-    """Map a backend name to its executor class, importing Ray only when Ray is chosen."""
-    if backend in (None, "uni"):
-        from pipejax.ray_executor.executor.inprocess import InProcessExecutor
-
-        return InProcessExecutor
-    if backend == "ray":
-        from pipejax.ray_executor.executor.ray_executor import RayExecutor
-
-        return RayExecutor
-    raise ValueError(f"unknown distributed_executor_backend={backend!r}; use 'uni' or 'ray'")

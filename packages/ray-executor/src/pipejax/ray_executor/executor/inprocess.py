@@ -107,3 +107,5 @@ class InProcessExecutor(Executor):
             q.put(_STOP)
         for t in self._threads:
             t.join(timeout=5)
+        for w in self.workers:
+            w.close()

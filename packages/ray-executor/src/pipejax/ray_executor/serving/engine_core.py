@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -34,6 +35,9 @@ from pipejax.ray_executor.serving.protocol import (
     RequestType,
     engine_identity,
 )
+
+if TYPE_CHECKING:
+    from pipejax.ray_executor.engine.engine import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +129,12 @@ class EngineCore:
             self._send(outputs)
         return "stopped"
 
-    def _die(self, exc) -> str:
+    def _die(self, exc: EngineDeadError) -> str:
         """The executor failed: fail every request with an error naming this engine, say so, stop."""
         self.dead = f"{type(exc).__name__}: {exc}"  # the cause; receivers prefix the engine's name
         message = f"{self.info().describe()} died: {self.dead}"
         log.error("%s", message)
-        failed = [o for o in getattr(exc, "failed_outputs", []) if o.request_id in self._clients]
+        failed = [o for o in exc.failed_outputs if o.request_id in self._clients]
         self._send(failed, error_kind="engine_dead", error_prefix=f"{self.info().describe()} died: ")
         # Requests the engine no longer knew about fail too; the last message says the engine is gone.
         leftovers = dict(self._clients)

@@ -26,6 +26,7 @@ import signal
 import tempfile
 import threading
 
+from pipejax.ray_executor.engine_args import engine_config_from_args
 from pipejax.ray_executor.serving.addresses import DPAddresses, free_ports
 from pipejax.runner.default_model import DEFAULT_MODEL_NAME
 
@@ -35,8 +36,6 @@ WATCH_INTERVAL_S = 0.5
 
 
 def engine_config(args: argparse.Namespace):
-    from pipejax.ray_executor.cli import engine_config_from_args
-
     backend = args.distributed_executor_backend
     if args.data_parallel_backend == "ray":
         if backend == "uni":
