@@ -111,9 +111,12 @@ def multihost(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff over the whole tree."""
-    session.install("-c", CONSTRAINTS, "ruff")
+    """Ruff over the whole tree; import-linter checks the layers' import contract (.importlinter)."""
+    session.install("-c", CONSTRAINTS, "ruff", "import-linter")
     session.run("ruff", "check", str(ROOT))
+    # The sources alone (pipejax is a namespace package over every packages/*/src): nothing installed.
+    sources = os.pathsep.join(str(d / "src") for d in sorted(PACKAGES.iterdir()) if (d / "src").is_dir())
+    session.run("lint-imports", "--config", str(ROOT / ".importlinter"), env={"PYTHONPATH": sources})
 
 
 @nox.session(python=False)
