@@ -6,8 +6,11 @@ import random
 
 import torch
 import transformers
+from pipejax_test_support import hf_greedy
 
 from pipejax.runner.builtin_model import write_checkpoint
+
+__all__ = ["hf_greedy", "make_checkpoint", "mixed_prompts"]
 
 TINY = {
     "vocab_size": 160,
@@ -31,15 +34,6 @@ def make_checkpoint(path, arch: str, seed: int = 0, **overrides) -> transformers
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
 
 
 def mixed_prompts(n: int, seed: int = 0, vocab: int = 160) -> list[list[int]]:

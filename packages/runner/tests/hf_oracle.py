@@ -1,57 +1,19 @@
-"""Test helpers: Hugging Face checkpoints made by transformers itself, and our stages chained in one process."""
+"""Test helpers: our stages chained in one process, next to the shared oracle (``pipejax_test_support``:
+Hugging Face checkpoints made by transformers itself, its logits and greedy generation)."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
-import torch
-import transformers
+from pipejax_test_support import ARCHS, hf_greedy, hf_logits, make_hf_checkpoint
 
 from pipejax.pp_utils import InProcessTransport, stage_meshes
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 
-TINY = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-ARCHS = {
-    "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "MistralForCausalLM": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
-    "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
-}
-
-
-def make_hf_checkpoint(path, arch: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """A randomly initialised checkpoint saved by transformers (the oracle) in safetensors format."""
-    config_cls, model_cls, extra = ARCHS[arch]
-    config = config_cls(**{**TINY, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
-    with torch.no_grad():  # make biases and norms non-trivial so their loading is really checked
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
-    return model
-
-
-def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
-    """Last-position logits of each prompt, one forward each."""
-    with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0, -1].float().numpy() for p in prompts]
-
+__all__ = ["ARCHS", "GREEDY", "ChainedStages", "greedy_generate", "hf_greedy", "hf_logits", "make_hf_checkpoint",
+           "prefill_batch"]
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -91,18 +53,6 @@ def prefill_batch(prompts: list[list[int]], step_id: int = 0, blocks_per_request
         for i, p in enumerate(prompts)
     )
     return ModelBatch(step_id, reqs)
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-            out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 def greedy_generate(stages: ChainedStages, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None):

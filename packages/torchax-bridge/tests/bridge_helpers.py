@@ -5,56 +5,24 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import torch
 import transformers
+from pipejax_test_support import hf_greedy
+from pipejax_test_support import make_hf_checkpoint as shared_checkpoint
 
 from pipejax.pp_utils import InProcessTransport, stage_meshes
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 
-TINY = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-ARCHS = {
-    "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-}
+__all__ = ["GREEDY", "PROMPTS", "ChainedStages", "greedy_generate", "hf_greedy", "make_hf_checkpoint", "prefill_batch"]
+
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], list(range(30, 51))]
 
 
 def make_hf_checkpoint(path, arch: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A random checkpoint saved by transformers (sharded safetensors); biases and norms made non-trivial."""
-    config_cls, model_cls = ARCHS[arch]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
-    model.generation_config.eos_token_id = None  # never stop early
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate``, one prompt at a time."""
-    with torch.no_grad():
-        return [
-            model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
-            for p in prompts
-        ]
+    """The shared oracle's random checkpoint (``pipejax_test_support``), 4 layers deep."""
+    return shared_checkpoint(path, arch, seed, **{"num_hidden_layers": 4, **overrides})
 
 
 class ChainedStages:

@@ -1,28 +1,17 @@
-"""Test helpers: a tiny Llama checkpoint made by transformers (the oracle), its greedy outputs,
+"""Test helpers: a tiny Llama checkpoint made by transformers (the shared oracle, ``pipejax_test_support``),
 and a minimal prefill-then-decode loop that drives stage workers through any ``execute``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 import transformers
+from pipejax_test_support import hf_greedy, make_hf_checkpoint
 
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig
 
-TINY_LLAMA = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=112,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+__all__ = ["CACHE", "GREEDY", "MAX_NEW_TOKENS", "PROMPTS", "greedy_decode", "hf_greedy", "make_llama_checkpoint"]
 
 # Mixed lengths; prompt + MAX_NEW_TOKENS stays within BLOCKS_PER_REQUEST blocks.
 PROMPTS = [[1, 17, 42, 99, 7], [1, 5, 150, 23, 64, 88, 12, 3, 140, 77, 31, 9], [1, 120, 33], [1, 8, 8, 8, 60, 61, 62]]
@@ -43,27 +32,8 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_llama_checkpoint(path, seed: int = 0) -> transformers.LlamaForCausalLM:
-    """A randomly initialised ``LlamaForCausalLM`` saved by transformers in safetensors format."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).to(torch.float32).eval()
-    with torch.no_grad():  # non-trivial norms, so their loading is really checked
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    """A randomly initialised 4-layer ``LlamaForCausalLM`` saved by transformers in one safetensors file."""
+    return make_hf_checkpoint(path, "LlamaForCausalLM", seed, num_hidden_layers=4, max_shard_size=None)
 
 
 def greedy_decode(

@@ -1,0 +1,67 @@
+"""The oracle: checkpoints built and saved by transformers, and what transformers computes on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# architecture -> (config class, model class, what its tiny config adds)
+ARCHS = {
+    "LlamaForCausalLM": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "MistralForCausalLM": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "Qwen2ForCausalLM": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "Qwen3ForCausalLM": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 24}),
+}
+
+
+def make_hf_checkpoint(
+    path, arch: str, seed: int = 0, dtype=torch.float32, max_shard_size: str | None = "200KB", **overrides
+) -> transformers.PreTrainedModel:
+    """A randomly initialised ``arch`` (``TINY`` updated with ``overrides``) saved by transformers in
+    safetensors format (sharded at ``max_shard_size``; None: one file). Biases and norms are made
+    non-trivial so their loading is really checked. The model comes back set never to stop early."""
+    if arch not in ARCHS:
+        raise ValueError(f"no tiny {arch!r} here; choose one of {sorted(ARCHS)}")
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **shards)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
+    """Last-position logits of each prompt, one forward each."""
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0, -1].float().numpy() for p in prompts]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        return [
+            model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
