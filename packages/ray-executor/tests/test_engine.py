@@ -53,6 +53,28 @@ def test_abort_frees_blocks_and_spares_others(llm_pp2):
     assert done["keep-1"].outputs[0].token_ids == alone[1].outputs[0].token_ids
 
 
+def test_step_deltas_add_up_to_the_whole_output(llm_pp2):
+    """Serving's form of a step: each request's deltas, concatenated, are what the offline API returns."""
+    engine = llm_pp2.engine
+    prompts = ["deltas one", "deltas two, longer"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    expected = {f"d{i}": out.outputs[0] for i, out in enumerate(llm_pp2.generate(prompts, params))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    tokens, text, logprobs, finish = {}, {}, {}, {}
+    while engine.has_unfinished_requests():
+        for d in engine.step_deltas():
+            assert d.request_id not in finish, "a delta after the finishing one"
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            text[d.request_id] = (text.get(d.request_id, "") + d.new_text)[: d.text_len]
+            logprobs.setdefault(d.request_id, []).extend(d.new_logprobs)
+            if d.finished:
+                finish[d.request_id] = d.finish_reason
+    for rid, want in expected.items():
+        assert tokens[rid] == want.token_ids and text[rid] == want.text and finish[rid] == "length"
+        assert [lp.sampled for lp in logprobs[rid]] == pytest.approx([lp.sampled for lp in want.logprobs], abs=1e-4)
+
+
 def test_stop_conditions(llm_pp2):
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     (ref,) = llm_pp2.generate(["stop conditions"], free)

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from pipejax.ray_executor.engine.engine import EngineDeadError
-from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
+from pipejax.ray_executor.engine.request import RequestDelta
 from pipejax.ray_executor.serving.addresses import DPAddresses
 from pipejax.ray_executor.serving.client import DPClient, RequestFailed
 from pipejax.ray_executor.serving.coordinator import DPCoordinator
@@ -58,6 +58,7 @@ class FakeEngine:
         self.max_model_len = 64
         self.model_config = SimpleNamespace(vocab_size=100)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.sent: dict[str, tuple[int, int]] = {}  # request id -> tokens, characters in earlier deltas
         self.aborted: list[str] = []
         self.fail_next = False
 
@@ -76,11 +77,11 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
-    def step(self):
+    def step_deltas(self):
         time.sleep(0.01)
         if self.fail_next:
-            failed = [self._output(rid, "error", "stage 1 (host h) failed") for rid in self.requests]
-            err = EngineDeadError("stage 1 (host h) failed on a step: boom", failed)
+            failed = [self._delta(rid, "error", "stage 1 (host h) failed") for rid in self.requests]
+            err = EngineDeadError("stage 1 (host h) failed on a step: boom", failed_deltas=failed)
             self.requests.clear()
             raise err
         outs = []
@@ -89,20 +90,21 @@ class FakeEngine:
             reason = "length" if len(tokens) >= params.max_tokens else None
             if rid == "cut" and len(tokens) == 3:
                 reason = "stop"
-            outs.append(self._output(rid, reason))
+            outs.append(self._delta(rid, reason))
             if reason:
                 del self.requests[rid]
                 self.scheduler.running.remove(rid)
         return outs
 
-    def _output(self, rid, reason, stop_reason=None):
+    def _delta(self, rid, reason, stop_reason=None):
         tokens = self.requests[rid][2]
         text = "".join("abcdef"[t % 6] for t in tokens)
         if rid == "cut" and reason == "stop":
             text = text[: text.index("b")]  # a stop string cuts text that was already sent
-        logprobs = [TokenLogprobs(-0.5, ((t, -0.5),)) for t in tokens]
-        completion = CompletionOutput(0, text, list(tokens), logprobs, reason, stop_reason)
-        return RequestOutput(rid, None, [1], [completion], reason is not None)
+        sent_tokens, sent_chars = self.sent.get(rid, (0, 0))
+        self.sent[rid] = (len(tokens), len(text))
+        new_logprobs = [TokenLogprobs(-0.5, ((t, -0.5),)) for t in tokens[sent_tokens:]]
+        return RequestDelta(rid, tokens[sent_tokens:], text[sent_chars:], len(text), new_logprobs, reason, stop_reason)
 
     def shutdown(self):
         pass

@@ -18,7 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pipejax.pp_utils import ParallelConfig
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
-from pipejax.ray_executor.engine.request import Request, RequestOutput
+from pipejax.ray_executor.engine.request import Request, RequestDelta, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler, SchedulerConfig
 from pipejax.ray_executor.executor.base import Executor
 from pipejax.ray_executor.executor.factory import executor_class
@@ -39,12 +39,15 @@ class StepTimeout(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The executor failed (a stage died, a host was lost, a step never came back). Every unfinished
-    request was failed with this error (``failed_outputs``: their last outputs, finish reason "error");
-    the engine accepts no more work."""
+    request was failed with this error (``failed_outputs``: their last outputs, finish reason "error";
+    ``failed_deltas``: the same as deltas, for ``step_deltas`` callers); the engine accepts no more work."""
 
-    def __init__(self, reason: str, failed_outputs: Sequence[RequestOutput] = ()):
+    def __init__(
+        self, reason: str, failed_outputs: Sequence[RequestOutput] = (), failed_deltas: Sequence[RequestDelta] = ()
+    ):
         super().__init__(reason)
         self.failed_outputs: list[RequestOutput] = list(failed_outputs)
+        self.failed_deltas: list[RequestDelta] = list(failed_deltas)
 
 
 class LLMEngine:
@@ -112,6 +115,15 @@ class LLMEngine:
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; every request that got a token or finished, whole (the offline API's form)."""
+        return [r.output() for r in self._step()]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One engine step; what each request that got a token or finished gained since its previous
+        delta (serving's form: no per-step copies of whole requests)."""
+        return [r.delta() for r in self._step()]
+
+    def _step(self) -> list[Request]:
         if self.dead is not None:
             raise self.dead
         batch = None
@@ -130,13 +142,13 @@ class LLMEngine:
             return self._finish_oldest()
         return []
 
-    def _finish_oldest(self) -> list[RequestOutput]:
+    def _finish_oldest(self) -> list[Request]:
         batch, future = self._in_flight.popleft()
         try:
             output = self._wait(batch, future)
         except Exception as exc:
             self._die(batch, exc)
-        return [r.output() for r in self.scheduler.update(batch, output)]
+        return self.scheduler.update(batch, output)
 
     def _wait(self, batch: ModelBatch, future: Future[SamplerOutput]) -> SamplerOutput:
         """The batch's output; while it is pending, stages are health-checked so a lost one fails fast."""
@@ -159,7 +171,7 @@ class LLMEngine:
             failed += self.scheduler.fail(other, reason)
         self._in_flight.clear()
         failed += self.scheduler.fail_all(reason)
-        self.dead = EngineDeadError(reason, [r.output() for r in failed])
+        self.dead = EngineDeadError(reason, [r.output() for r in failed], [r.delta() for r in failed])
         raise self.dead from exc
 
     def shutdown(self) -> None:

@@ -37,6 +37,25 @@ class RequestOutput:
     finished: bool
 
 
+@dataclasses.dataclass
+class RequestDelta:
+    """What one request gained since its previous delta (the engine's output while serving: a stream
+    stays linear in its length). ``text_len`` is the whole text's length: a stop string can cut the
+    text below what earlier deltas carried."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    text_len: int
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # set once the request finished
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class Request:
     """Mutable engine-side state of one request (one completion; n > 1 is fanned out by the caller)."""
 
@@ -66,6 +85,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        self._delta_tokens = 0  # output tokens (and logprobs) that earlier deltas carried
+        self._delta_chars = 0  # characters of text that earlier deltas carried
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens) if tokenizer else None
         )
@@ -118,6 +139,20 @@ class Request:
     def abort(self) -> None:
         self.finish_reason = "abort"
         self.status = RequestStatus.FINISHED
+
+    def delta(self) -> RequestDelta:
+        """What this request gained since the previous ``delta()`` (since it was added, the first time)."""
+        start, chars = self._delta_tokens, self._delta_chars
+        self._delta_tokens, self._delta_chars = len(self.output_token_ids), len(self.text)
+        return RequestDelta(
+            self.request_id,
+            self.output_token_ids[start:],
+            self.text[chars:],
+            len(self.text),
+            self.logprobs[start:] if self.logprobs is not None else None,
+            self.finish_reason if self.finished else None,
+            self.stop_reason,
+        )
 
     def output(self) -> RequestOutput:
         completion = CompletionOutput(

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from pipejax.ray_executor.config import EngineConfig
-from pipejax.ray_executor.engine.request import RequestOutput
+from pipejax.ray_executor.engine.request import RequestDelta
 from pipejax.ray_executor.serving.addresses import DPAddresses
 from pipejax.ray_executor.serving.protocol import (
     STATS_INTERVAL_S,
@@ -57,7 +57,6 @@ class EngineCore:
         self.dead: str | None = None
         self.engine = None
         self._clients: dict[str, int] = {}  # request id -> API server index
-        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, text chars) already sent
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
         self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
@@ -123,7 +122,7 @@ class EngineCore:
             if self.stop_event.is_set() or not self.engine.has_unfinished_requests():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step_deltas()
             except EngineDeadError as exc:
                 return self._die(exc)
             self._send(outputs)
@@ -134,7 +133,7 @@ class EngineCore:
         self.dead = f"{type(exc).__name__}: {exc}"  # the cause; receivers prefix the engine's name
         message = f"{self.info().describe()} died: {self.dead}"
         log.error("%s", message)
-        failed = [o for o in exc.failed_outputs if o.request_id in self._clients]
+        failed = [d for d in exc.failed_deltas if d.request_id in self._clients]
         self._send(failed, error_kind="engine_dead", error_prefix=f"{self.info().describe()} died: ")
         # Requests the engine no longer knew about fail too; the last message says the engine is gone.
         leftovers = dict(self._clients)
@@ -179,21 +178,19 @@ class EngineCore:
             self._push(req.client_index, EngineCoreOutputs(self.index, [out]))
             return
         self._clients[req.request_id] = req.client_index
-        self._sent[req.request_id] = (0, 0)
 
     def _forget(self, rid: str) -> None:
         self._clients.pop(rid, None)
-        self._sent.pop(rid, None)
 
     # --- messages out ----------------------------------------------------------------------------
 
-    def _send(self, outputs: list[RequestOutput], error_kind: str | None = None, error_prefix: str = "") -> None:
+    def _send(self, deltas: list[RequestDelta], error_kind: str | None = None, error_prefix: str = "") -> None:
         by_client: dict[int, list[EngineCoreOutput]] = {}
-        for out in outputs:
+        for out in deltas:
             client = self._clients.get(out.request_id)
             if client is None:  # aborted: nobody is listening
                 continue
-            by_client.setdefault(client, []).append(self._delta(out, error_kind, error_prefix))
+            by_client.setdefault(client, []).append(_wire(out, error_kind, error_prefix))
             if out.finished:
                 self._forget(out.request_id)
         for client, outs in by_client.items():
@@ -213,28 +210,6 @@ class EngineCore:
             for rid in gone:
                 self._forget(rid)
                 self.engine.abort_request(rid)
-
-    def _delta(self, out: RequestOutput, error_kind: str | None, error_prefix: str) -> EngineCoreOutput:
-        completion = out.outputs[0]
-        tokens_sent, chars_sent = self._sent[out.request_id]
-        text = completion.text
-        logprobs = None
-        if completion.logprobs is not None:
-            logprobs = [Logprob(lp.sampled, [tuple(t) for t in lp.top]) for lp in completion.logprobs[tokens_sent:]]
-        finish = completion.finish_reason if out.finished else None
-        error = f"{error_prefix}{completion.stop_reason}" if finish == "error" else None
-        self._sent[out.request_id] = (len(completion.token_ids), len(text))
-        return EngineCoreOutput(
-            request_id=out.request_id,
-            new_token_ids=list(completion.token_ids[tokens_sent:]),
-            new_text=text[chars_sent:],
-            text_len=len(text),
-            new_logprobs=logprobs,
-            finish_reason=finish,
-            stop_reason=None if finish == "error" else completion.stop_reason,
-            error=error,
-            error_kind=(error_kind or "engine_dead") if finish == "error" else None,
-        )
 
     def _stats_loop(self, ctx: zmq.Context) -> None:
         push = ctx.socket(zmq.PUSH)
@@ -288,3 +263,22 @@ def run_engine_process(config: EngineConfig, index: int, addresses: DPAddresses,
     log.info("engine %d ended: %s", index, reason)
     if core.dead:
         raise SystemExit(3)
+
+
+def _wire(delta: RequestDelta, error_kind: str | None, error_prefix: str) -> EngineCoreOutput:
+    """The engine's delta as the wire's output (an error names the engine through ``error_prefix``)."""
+    finish = delta.finish_reason
+    logprobs = None
+    if delta.new_logprobs is not None:
+        logprobs = [Logprob(lp.sampled, [tuple(t) for t in lp.top]) for lp in delta.new_logprobs]
+    return EngineCoreOutput(
+        request_id=delta.request_id,
+        new_token_ids=delta.new_token_ids,
+        new_text=delta.new_text,
+        text_len=delta.text_len,
+        new_logprobs=logprobs,
+        finish_reason=finish,
+        stop_reason=None if finish == "error" else delta.stop_reason,
+        error=f"{error_prefix}{delta.stop_reason}" if finish == "error" else None,
+        error_kind=(error_kind or "engine_dead") if finish == "error" else None,
+    )
