@@ -41,11 +41,9 @@ SHARED_PREFIX = 56  # tokens: 3 whole blocks of 16 and part of a fourth
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-           "TOKENIZERS_PARALLELISM": "false", **extra}
-    env.pop("RAY_ADDRESS", None)
-    return env
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray run starts its own cluster
+    return {**env, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "TOKENIZERS_PARALLELISM": "false", **extra}
 
 
 def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
@@ -56,15 +54,25 @@ def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    write_checkpoint(path, {**TINY, "architectures": [request.param]}, seed=0)
-    write_byte_tokenizer(path, VOCAB)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return str(path), model
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> (checkpoint folder, transformers model, pipejax's own engine outputs on ``workload()``)."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(arch)
+            write_checkpoint(path, {**TINY, "architectures": [arch]}, seed=0)
+            write_byte_tokenizer(path, VOCAB)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            spec = {"engine": "pipejax", "model": str(path), "pp": 1, "tp": 1, "backend": "uni",
+                    "batches": workload(), "max_tokens": MAX_TOKENS}
+            made[arch] = (str(path), model, run_engine(spec)["outputs"])
+        return made[arch]
+
+    return get
 
 
 def workload(seed: int = 0) -> list[list[list[int]]]:
@@ -88,27 +96,32 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
                 for p in prompts]
 
 
-LAYOUTS = [  # (pp, tp, executor, uneven layer split, KV blocks: few enough to force preemption)
-    pytest.param(1, 1, "uni", None, 24, id="pp1-tp1-uni"),
-    pytest.param(1, 2, "uni", None, 24, id="pp1-tp2-uni"),
-    pytest.param(2, 1, "mp", None, 24, id="pp2-tp1-mp"),
-    pytest.param(2, 2, "ray", None, 24, id="pp2-tp2-ray"),
-    pytest.param(3, 2, "ray", "1,3,2", 24, id="pp3-tp2-ray-uneven"),
+LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split)
+    pytest.param("LlamaForCausalLM", 1, 1, "uni", None, id="llama-pp1-tp1-uni"),
+    pytest.param("LlamaForCausalLM", 1, 2, "uni", None, id="llama-pp1-tp2-uni"),
+    pytest.param("LlamaForCausalLM", 2, 1, "mp", None, id="llama-pp2-tp1-mp"),
+    pytest.param("LlamaForCausalLM", 2, 2, "ray", None, id="llama-pp2-tp2-ray"),
+    pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", id="llama-pp3-tp2-ray-uneven"),
+    pytest.param("Qwen2ForCausalLM", 1, 2, "uni", None, id="qwen2-pp1-tp2-uni"),
+    pytest.param("Qwen2ForCausalLM", 2, 1, "mp", None, id="qwen2-pp2-tp1-mp"),
+    pytest.param("Qwen2ForCausalLM", 3, 2, "ray", "1,3,2", id="qwen2-pp3-tp2-ray-uneven"),
 ]
+KV_BLOCKS = 24  # of 16 tokens: 16 concurrent prompts of up to 72 tokens do not fit, so vLLM preempts
 
 
-@pytest.mark.parametrize(("pp", "tp", "backend", "partition", "blocks"), LAYOUTS)
-def test_vllm_engine_matches_transformers(checkpoint, pp, tp, backend, partition, blocks):
-    path, model = checkpoint
+@pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition"), LAYOUTS)
+def test_vllm_engine_matches_transformers_and_pipejax(checkpoints, arch, pp, tp, backend, partition):
+    path, model, pipejax_outputs = checkpoints(arch)
     batches = workload()
     spec = {"engine": "vllm", "model": path, "pp": pp, "tp": tp, "backend": backend, "batches": batches,
-            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": blocks}
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
     got = run_engine(spec, **env)
     want = [hf_greedy(model, b) for b in batches]
     for b, (g, w) in enumerate(zip(got["outputs"], want, strict=True)):
         bad = [i for i in range(len(w)) if g[i] != w[i]]
         assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
+    assert got["outputs"] == pipejax_outputs  # and pipejax's own engine agrees
 
     stats = got["stats"]
     assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
@@ -119,51 +132,30 @@ def test_vllm_engine_matches_transformers(checkpoint, pp, tp, backend, partition
     assert layers[0][0] == 0 and layers[-1][1] == TINY["num_hidden_layers"]
     first = stats[0]
     assert first["prefix_hits"] > 0, "no request found its prefix in vLLM's prefix cache"
-    assert first["resumed"] > 0, f"{blocks} KV blocks forced no preemption"
-    assert all(s["num_blocks"] == blocks for s in stats)
+    assert first["resumed"] > 0, f"{KV_BLOCKS} KV blocks forced no preemption"
+    assert all(s["num_blocks"] == KV_BLOCKS for s in stats)
     if pp > 1:  # activations took pipejax's transport: every non-last stage sent them itself
         assert all(s["activation_bytes_sent"] > 0 for s in stats[:-1])
 
 
-@pytest.mark.parametrize(("pp", "tp", "backend", "partition"), [
-    pytest.param(2, 1, "mp", None, id="pp2-tp1"),
-    pytest.param(3, 2, "ray", "1,3,2", id="pp3-tp2-uneven"),
-])
-def test_vllm_engine_matches_pipejax_engine(checkpoint, pp, tp, backend, partition):
-    path, _ = checkpoint
-    batches = workload(seed=1)
-    spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": batches, "max_tokens": MAX_TOKENS,
-            "partition": partition}
-    env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
-    ours = run_engine({**spec, "engine": "pipejax"})
-    theirs = run_engine({**spec, "engine": "vllm"}, **env)
-    assert theirs["outputs"] == ours["outputs"]
-
-
-def test_legacy_compiled_graph_ray_executor(checkpoint):
+def test_legacy_compiled_graph_ray_executor(checkpoints):
     """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's compiled graph carries each stage's output to the
     next; pipejax hands it only a step handle while the activations take the transfer server."""
-    path, model = checkpoint
-    batches = workload(seed=2)[:1]
-    spec = {"engine": "vllm", "model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": batches,
-            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": 24}
+    path, _, pipejax_outputs = checkpoints("LlamaForCausalLM")
+    spec = {"engine": "vllm", "model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": workload(),
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     got = run_engine(spec, VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0")
-    assert got["outputs"] == [hf_greedy(model, batches[0])]
-    assert got["stats"][0]["activation_bytes_sent"] > 0
+    assert got["outputs"] == pipejax_outputs  # (which the test above holds equal to transformers')
+    assert got["stats"][0]["activation_bytes_sent"] > 0 and got["stats"][1]["resumed"] > 0
 
 
 # --- the server ---------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve")
-    write_checkpoint(path, {**TINY, "architectures": ["LlamaForCausalLM"]}, seed=0)
-    write_byte_tokenizer(path, VOCAB)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return str(path), model
+def llama(checkpoints):
+    path, model, _ = checkpoints("LlamaForCausalLM")
+    return path, model
 
 
 @pytest.fixture(scope="module")
@@ -228,24 +220,25 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
     path, model = llama
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
-    prompt = [5, 77, 200, 31, 64, 9, 150]
+    prompt = [ord(c) for c in "Pipelines "]  # byte-level tokens: one per ASCII character
     want = hf_greedy(model, [prompt])[0]
+    exact = {"ignore_eos": True, "return_token_ids": True}
 
     done = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+                                     extra_body=exact)
     assert done.choices[0].token_ids == want
-    assert done.choices[0].text == tokenizer.decode(want)
-
+    assert done.usage.completion_tokens == MAX_TOKENS
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text
 
     messages = [{"role": "user", "content": "Hello there"}]
-    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) else chat_ids
+    rendered = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    assert chat.choices[0].message.content == tokenizer.decode(hf_greedy(model, [list(chat_ids)])[0])
+                                          extra_body=exact)
+    assert chat.prompt_token_ids == rendered  # the checkpoint's chat template, applied by vLLM
+    assert chat.choices[0].token_ids == hf_greedy(model, [rendered])[0]
     parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat.choices[0].message.content
@@ -260,5 +253,8 @@ def test_vllm_serve_refuses_unsupported_sampling_and_keeps_serving(vllm_server):
                                   extra_body={"repetition_penalty": 1.3})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, logit_bias={"9": 5})
+    with pytest.raises(openai.BadRequestError, match="structured"):
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     ok = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert ok.choices[0].text is not None and ok.usage.completion_tokens >= 1

@@ -6,6 +6,7 @@ import pytest
 import vllm
 import vllm.platforms
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
 
 from pipejax.platform_tpu.vllm_platform import PipejaxPlatform
 from pipejax.runner.builtin_model import write_checkpoint
@@ -61,7 +62,7 @@ def test_unsupported_engine_configs_are_refused_by_name(checkpoint, kwargs, name
 def test_unsupported_sampling_is_refused_by_name(kwargs):
     params = vllm.SamplingParams(**kwargs)
     name = next(iter(kwargs))
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(VLLMValidationError, match=name):  # vLLM's 400, not an engine failure
         PipejaxPlatform.validate_request(None, params)
     with pytest.raises(UnsupportedFeatureError, match=name):
         to_sampling_params(params)

@@ -107,13 +107,15 @@ class PipejaxPlatform(Platform):
     def validate_request(cls, processed_inputs, params) -> None:
         """Per request, in vLLM's frontend: a sampling feature pipejax cannot honour is a clear error
         for that request only."""
+        from vllm.exceptions import VLLMValidationError  # a client error: HTTP 400, the engine serves on
+
         from pipejax.worker.vllm_requests import unsupported_sampling
 
         if params is None or not hasattr(params, "temperature"):
-            raise ValueError("pipejax serves text generation only (no pooling / embedding requests)")
+            raise VLLMValidationError("pipejax serves text generation only (no pooling / embedding requests)")
         problems = unsupported_sampling(params)
         if problems:
-            raise ValueError(f"pipejax does not support {', '.join(problems)}; drop them from the request")
+            raise VLLMValidationError(f"pipejax does not support {', '.join(problems)}; drop them from the request")
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:

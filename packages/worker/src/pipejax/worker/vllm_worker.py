@@ -231,7 +231,9 @@ class VllmStageWorker(WorkerBase):
         """Bytes of KV cache this stage offers (vLLM divides by its page size x the stage's layers)."""
         if self.cache_config.kv_cache_memory_bytes:
             return int(self.cache_config.kv_cache_memory_bytes)
-        return self.stage_worker.available_kv_blocks() * self.stage_worker.kv_bytes_per_block()
+        # Stages on one host share its memory (on CPU: its RAM); vLLM's count of them is a bound.
+        blocks = self.stage_worker.available_kv_blocks(stages_on_host=self.parallel_config.local_world_size)
+        return blocks * self.stage_worker.kv_bytes_per_block()
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         groups = kv_cache_config.kv_cache_groups
