@@ -192,16 +192,20 @@ def vllm_server(llama, ray_cluster):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(RAY_ADDRESS=ray_cluster))
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
+
+    def tail() -> str:
+        return (Path(path) / "serve.log").read_text()[-6000:]
+
     try:
         while True:
-            assert proc.poll() is None, f"vllm serve exited:\n{(Path(path) / 'serve.log').read_text()[-6000:]}"
+            assert proc.poll() is None, f"vllm serve exited:\n{tail()}"
             try:
                 with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, f"vllm serve not healthy:\n{(Path(path) / 'serve.log').read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"vllm serve not healthy within 400 s:\n{tail()}"
             time.sleep(2)
         yield base
     finally:

@@ -2,7 +2,8 @@
 
 The ``vllm.platform_plugins`` entry point (``plugin.register_vllm``) returns this module's class
 path; vLLM imports the module only then, so nothing here runs for users without vLLM. vLLM imports
-it while ``vllm.config`` is still importing: vLLM and torch at module level, everything else late.
+it while ``vllm.config`` is still importing: vLLM at module level, everything else late. (No torch:
+pipejax's layers below the composition root never import it; vLLM brings it.)
 
 What it decides (``check_and_update_config``): the layout is checked with pipejax's own rules
 (``TpuPlatform``); tensor parallelism is taken out of vLLM's hands (vLLM sees one rank per
@@ -19,12 +20,10 @@ process groups are built on it), ``ray_device_key`` an accelerator resource Ray 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import TYPE_CHECKING
 
-import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
 if TYPE_CHECKING:
@@ -39,26 +38,6 @@ SUPPORTED_VLLM = "0.32.0"
 # Passed to vLLM's Ray workers with the driver's values (vLLM copies these names).
 FORWARDED_ENV = ["PIPEJAX_PLATFORM", "PIPEJAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", "JAX_PLATFORMS",
                  "VLLM_PP_LAYER_PARTITION"]
-
-
-def _accelerator_optional(fn):
-    """EngineCore's shutdown empties the accelerator's cache on every non-CPU platform; with no
-    torch accelerator present that raises. Nothing of pipejax's lives in torch's allocator."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            if "accelerator" not in str(e):
-                raise
-
-    return wrapper
-
-
-for _name in ("empty_cache", "empty_host_cache"):
-    if hasattr(torch.accelerator, _name):
-        setattr(torch.accelerator, _name, _accelerator_optional(getattr(torch.accelerator, _name)))
 
 
 class PipejaxPlatform(Platform):
@@ -118,7 +97,7 @@ class PipejaxPlatform(Platform):
             raise VLLMValidationError(f"pipejax does not support {', '.join(problems)}; drop them from the request")
 
     @classmethod
-    def set_device(cls, device: torch.device) -> None:
+    def set_device(cls, device) -> None:
         """No torch device to select: the stage's devices are JAX's."""
 
     @classmethod
@@ -142,10 +121,6 @@ class PipejaxPlatform(Platform):
     @classmethod
     def import_kernels(cls) -> None:
         """vLLM's TPU build has no compiled ops, and pipejax needs none."""
-
-    @classmethod
-    def inference_mode(cls):
-        return torch.no_grad()
 
     @classmethod
     def get_attn_backend_cls(cls, *args, **kwargs) -> str:

@@ -21,9 +21,7 @@ import logging
 import os
 import time
 
-import jax.numpy as jnp
 import numpy as np
-import torch
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import (
     ensure_model_parallel_initialized,
@@ -93,11 +91,12 @@ class VllmStageRunner:
         if intermediate_tensors is not None and STEP_HANDLE in intermediate_tensors.tensors:
             got = int(intermediate_tensors[STEP_HANDLE][0])
             if got != step_id:
-                raise RuntimeError(f"stage {self.stage.pp_rank}: the previous stage sent step {got}, expected {step_id}")
+                raise RuntimeError(
+                    f"stage {self.stage.pp_rank}: the previous stage sent step {got}, expected {step_id}")
         batch = self.states.batch(so, step_id)
         out = self.stage_worker.execute_model(batch)
         if not self.stage.is_last:
-            return IntermediateTensors({STEP_HANDLE: torch.tensor([step_id], dtype=torch.int64)})
+            return IntermediateTensors({STEP_HANDLE: np.array([step_id], np.int64)})
         self.states.record(out)
         self.pending = _model_runner_output(batch, out)
         return None  # vLLM asks for it with sample_tokens
@@ -167,7 +166,7 @@ class VllmStageWorker(WorkerBase):
         pp = pc.pipeline_parallel_size
         envs = self.options["stage_environments"]
         _apply_stage_environment(envs[min(self.local_rank, len(envs) - 1)], self.rank)
-        self.device = torch.device("cpu")  # vLLM's handle; the stage's devices are JAX's
+        self.device = self.current_platform.device_type  # vLLM's handle; the stage's devices are JAX's
         # vLLM's process groups (gloo, control only): one rank per stage, TP lives inside the stage.
         init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method, self.local_rank,
                                      backend="gloo")
@@ -179,8 +178,9 @@ class VllmStageWorker(WorkerBase):
             from pipejax.pp_utils import TransferServerTransport
 
             self.transport = TransferServerTransport(host=get_ip())
-            addresses = [None] * pp
-            torch.distributed.all_gather_object(addresses, self.transport.address, group=get_pp_group().cpu_group)
+            group = get_pp_group()
+            addresses = [group.broadcast_object(self.transport.address if r == pp_rank else None, src=r)
+                         for r in range(pp)]
             if pp_rank > 0:
                 self.transport.connect_previous(addresses[pp_rank - 1], f"stage {pp_rank - 1}")
             recv = self.transport if pp_rank > 0 else None
@@ -220,7 +220,7 @@ class VllmStageWorker(WorkerBase):
             block_size=sw.config.cache.block_size,
             num_kv_heads=kv_heads_for_tp(cfg, tp) // tp,  # per device (K/V heads repeat when tp > their count)
             head_size=cfg.head_dim,
-            dtype=getattr(torch, jnp.dtype(cfg.dtype).name),
+            dtype=self.model_config.dtype,  # vLLM's torch dtype, the one the stage was built in
         )
         return {f"model.layers.{i}.self_attn.attn": spec for i in sw.stage.layer_range(cfg)}
 
