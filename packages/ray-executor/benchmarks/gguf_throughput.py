@@ -1,0 +1,45 @@
+"""One pipejax throughput probe of SmolLM2 (the GGUF file): ``LLM`` pp1 tp1 fp32, greedy, ignore_eos.
+
+Run by packages/runner/benchmarks/gguf_bench.py in a fresh process per measurement (next to its
+transformers probe); prints one JSON line. The workload runs once untimed (compiling every bucket it
+meets), then once timed:
+
+    python packages/ray-executor/benchmarks/gguf_throughput.py MODEL PROMPTS_JSON OUTPUT_LEN
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def main() -> None:
+    model, prompts_file, output_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+
+    from pipejax.ray_executor import LLM, SamplingParams
+
+    start = time.perf_counter()
+    # max_model_len bounds the KV cache to the workload (the default sizes it for 8192-token contexts).
+    llm = LLM(model=model, pipeline_parallel_size=1, tensor_parallel_size=1, dtype="float32",
+              max_num_seqs=max(len(prompts), 1), max_model_len=256)
+    startup = time.perf_counter() - start
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests, params)  # warm-up: the same workload, untimed
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params)
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    llm.shutdown()
+    print(json.dumps({"seconds": elapsed, "output_tokens": sum(map(len, tokens)), "startup_s": startup,
+                      "tokens": tokens}))
+
+
+if __name__ == "__main__":
+    main()
