@@ -25,8 +25,9 @@ nox.options.reuse_existing_virtualenvs = True
 # Default: lint, layering, and every layer that has tests (a layer whose issue has not come yet has none).
 nox.options.sessions = ["lint", "layers"] + [
     d.name.replace("-", "_") for d in sorted(PACKAGES.iterdir()) if any((d / "tests").glob("test_*.py"))
-] + ["multihost"]  # Ray nodes in network namespaces: needs root, skips with the reason otherwise
+] + ["multihost", "vllm"]  # Ray nodes in network namespaces (root); vLLM's engine on pipejax's stages
 MULTIHOST_TESTS = PACKAGES / "ray-executor" / "tests" / "multihost"
+VLLM_TESTS = PACKAGES / "ray-executor" / "tests" / "vllm_host"
 
 
 def _internal_deps(dist: str, extras: str | None = None) -> list[str]:
@@ -98,7 +99,8 @@ def platform_tpu(session: nox.Session) -> None:
 @nox.session
 def ray_executor(session: nox.Session) -> None:
     """Test pipejax-ray-executor: scheduler, engine, executors, LLM API and CLI."""
-    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}")  # the `multihost` session runs those
+    # The `multihost` and `vllm` sessions run those.
+    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}", f"--ignore={VLLM_TESTS}")
 
 
 @nox.session
@@ -181,25 +183,26 @@ def bench_gguf(session: nox.Session) -> None:
 VLLM_VERSION = "0.32.0"
 VLLM_CHECK = """
 import vllm.platforms
-from pipejax.platform_tpu.platform import TpuPlatform
+from pipejax.platform_tpu.vllm_platform import PipejaxPlatform
 platform = vllm.platforms.current_platform
 print("vllm.platforms.current_platform:", platform)
-assert isinstance(platform, TpuPlatform), f"vLLM chose {type(platform)}, not pipejax's TpuPlatform"
+assert isinstance(platform, PipejaxPlatform), f"vLLM chose {type(platform)}, not pipejax's PipejaxPlatform"
 """
 # Without PIPEJAX_PLATFORM, on a host with no TPU, the plugin must not apply.
 VLLM_CHECK_OFF = """
 import vllm.platforms
 from pipejax.platform_tpu.hardware import tpu_present
-from pipejax.platform_tpu.platform import TpuPlatform
 platform = vllm.platforms.current_platform
 print("without PIPEJAX_PLATFORM:", type(platform).__name__)
-assert tpu_present() or not isinstance(platform, TpuPlatform)
+assert tpu_present() or type(platform).__name__ != "PipejaxPlatform"
 """
 
 
-@nox.session(default=False)
-def vllm_plugin(session: nox.Session) -> None:
-    """vLLM 0.32.0's TPU build from its source archive must pick pipejax's platform (a 3.5 GB venv)."""
+def _build_vllm(session: nox.Session) -> None:
+    """vLLM 0.32.0 for its TPU target from the source archive, on CPU torch (a 3.5 GB venv, ~2.5 min)."""
+    built = Path(session.virtualenv.location) / f".vllm-{VLLM_VERSION}-built"
+    if built.exists():
+        return  # a reused venv already has it
     tmp = Path(session.create_tmp())
     build_env = {"VLLM_TARGET_DEVICE": "tpu", "VLLM_VERSION_OVERRIDE": VLLM_VERSION}
     # torch 2.13.0 CPU and vLLM's build requirements (pyproject.toml [build-system]), then the archive.
@@ -221,7 +224,34 @@ def vllm_plugin(session: nox.Session) -> None:
         [session.bin, *(p for p in os.environ.get("PATH", "").split(os.pathsep) if not (Path(p) / "rustc").exists())]
     )
     session.install("--no-build-isolation", "--no-deps", str(sdist), env={**build_env, "PATH": path})
-    # pipejax's platform and what it declares (no deps: the plugin itself imports none of them).
-    session.install("--no-deps", *(str(PACKAGES / d) for d in ("pp-utils", "runner", "worker", "platform-tpu")))
+    built.touch()
+
+
+def _constraints_besides_installed(session: nox.Session) -> str:
+    """constraints.txt without the packages already in the venv: vLLM's own pins (transformers,
+    fastapi, ...) stay, everything else pipejax adds takes the project's pins."""
+    frozen = session.run("pip", "list", "--format=freeze", silent=True) or ""
+    installed = {line.split("==")[0].lower().replace("_", "-") for line in frozen.splitlines() if "==" in line}
+    keep = [line for line in Path(CONSTRAINTS).read_text().splitlines()
+            if line.split("==")[0].strip().lower().replace("_", "-") not in installed]
+    out = Path(session.create_tmp()) / "constraints-vllm.txt"
+    out.write_text("\n".join(keep) + "\n")
+    return str(out)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """vLLM 0.32.0 (built from source for TPU, CPU torch) serving through pipejax's platform, worker and runner."""
+    _build_vllm(session)
+    constraints = _constraints_besides_installed(session)
+    layers = [str(PACKAGES / d) for d in ("pp-utils", "runner", "worker", "platform-tpu", "ray-executor")]
+    session.install("-c", constraints, *layers, "pytest", "pytest-timeout", "openai")
     session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu"})
     session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": ""})
+    # Ray refuses a temp dir inside the venv, where create_tmp() pointed TMPDIR.
+    tmp = {"TMPDIR": os.environ.get("TMPDIR", "/tmp")}
+    if session.posargs[:1] == ["bench"]:
+        session.run("python", str(PACKAGES / "ray-executor" / "benchmarks" / "vllm_host.py"), *session.posargs[1:],
+                    env={**SIM_DEVICES, **tmp})
+        return
+    session.run("pytest", str(VLLM_TESTS), "-q", "-rs", *session.posargs, env={**SIM_DEVICES, **tmp})

@@ -69,7 +69,7 @@ class Frontend:
         self.client = DPClient(config.addresses, config.client_index, config.dp_size, config.output_timeout_s)
         self.metrics = ServerMetrics()
         path = Path(config.model_path)
-        self.tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+        self.tokenizer = Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
         self.started = time.time()
 
     async def start(self, should_exit=lambda: False) -> None:

@@ -113,7 +113,7 @@ def _run_head(args, config, addresses: DPAddresses) -> int:
         watcher.start()
         frontend = FrontendConfig(
             addresses=addresses, client_index=0, dp_size=dp, model_path=config.model,
-            served_model_name=args.served_model_name or args.model or "builtin", api_key=args.api_key,
+            served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME, api_key=args.api_key,
             ready_timeout_s=args.engine_ready_timeout, output_timeout_s=args.request_timeout,
         )
         return _run_api_servers(args, frontend)
