@@ -93,8 +93,9 @@ def vllm_bench_throughput(model: str) -> str:
     """vLLM's own benchmark command on the same model and workload shape."""
     vllm_cli = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm_cli), "bench", "throughput", "--model", model, "--dtype", "float32", "--dataset-name", "random",
-           "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--num-prompts", str(NUM_PROMPTS),
-           "--max-model-len", "256", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+           "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+           "--num-prompts", str(NUM_PROMPTS), "--max-model-len", "256", "--max-num-seqs", "64",
+           "--max-num-batched-tokens", "512",
            "--no-enable-prefix-caching"]
     env = {**os.environ, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
