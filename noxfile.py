@@ -199,7 +199,7 @@ assert tpu_present() or type(platform).__name__ != "PipejaxPlatform"
 
 
 def _build_vllm(session: nox.Session) -> None:
-    """vLLM 0.32.0 for its TPU target from the source archive, on CPU torch (a 3.5 GB venv, ~2.5 min)."""
+    """vLLM 0.32.0 for its TPU target from the source archive, on CPU torch (a 3.5 GB venv, 2-5 min here)."""
     built = Path(session.virtualenv.location) / f".vllm-{VLLM_VERSION}-built"
     if built.exists():
         return  # a reused venv already has it
@@ -244,7 +244,9 @@ def vllm(session: nox.Session) -> None:
     """vLLM 0.32.0 (built from source for TPU, CPU torch) serving through pipejax's platform, worker and runner."""
     _build_vllm(session)
     constraints = _constraints_besides_installed(session)
-    layers = [str(PACKAGES / d) for d in ("pp-utils", "runner", "worker", "platform-tpu", "ray-executor")]
+    # test-support: the tests' transformers oracle (the ray-executor tests' helpers import it).
+    layers = [str(PACKAGES / d)
+              for d in ("pp-utils", "runner", "worker", "platform-tpu", "ray-executor", "test-support")]
     session.install("-c", constraints, *layers, "pytest", "pytest-timeout", "openai")
     session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu"})
     session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": ""})

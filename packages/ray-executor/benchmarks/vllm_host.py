@@ -41,7 +41,7 @@ def time_pipejax(model: str, prompts) -> float:
     from pipejax.ray_executor import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", **LIMITS)
-    params = SamplingParams(temperature=1.0, max_tokens=OUTPUT_LEN, ignore_eos=True, seed=None)
+    params = SamplingParams(temperature=1.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     try:
         llm.generate(prompts, params)  # warm: every shape of this workload compiles here
         start = time.perf_counter()
@@ -71,10 +71,8 @@ def time_vllm(model: str, prompts) -> float:
 
 
 def one_run(engine: str) -> None:
-    import json as _json
-
     model = bench_model()
-    vocab = _json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     elapsed = (time_pipejax if engine == "pipejax" else time_vllm)(model, workload(vocab))
     print("RESULT " + json.dumps({"engine": engine, "seconds": elapsed}), flush=True)
 

@@ -18,24 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from oracle import TINY, make_checkpoint  # the ray-executor tests' tiny checkpoints
+from pipejax_test_support import hf_greedy
 
-from pipejax.runner.builtin_model import write_byte_tokenizer, write_checkpoint
+from pipejax.runner.builtin_model import write_byte_tokenizer
 
 HERE = Path(__file__).parent
 VOCAB = 320  # the byte-level test tokenizer needs >= 261 ids
-TINY = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 112,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 MAX_TOKENS = 12
 SHARED_PREFIX = 56  # tokens: 3 whole blocks of 16 and part of a fourth
 
@@ -62,11 +51,8 @@ def checkpoints(tmp_path_factory):
     def get(arch: str):
         if arch not in made:
             path = tmp_path_factory.mktemp(arch)
-            write_checkpoint(path, {**TINY, "architectures": [arch]}, seed=0)
+            model = make_checkpoint(path, arch, vocab_size=VOCAB)
             write_byte_tokenizer(path, VOCAB)
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            model.generation_config.eos_token_id = None
-            model.generation_config.pad_token_id = 0
             spec = {"engine": "pipejax", "model": str(path), "pp": 1, "tp": 1, "backend": "uni",
                     "batches": workload(), "max_tokens": MAX_TOKENS}
             made[arch] = (str(path), model, run_engine(spec)["outputs"])
@@ -90,12 +76,6 @@ def workload(seed: int = 0) -> list[list[list[int]]]:
     return [batch(), batch()]
 
 
-def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
-
-
 LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split)
     pytest.param("LlamaForCausalLM", 1, 1, "uni", None, id="llama-pp1-tp1-uni"),
     pytest.param("LlamaForCausalLM", 1, 2, "uni", None, id="llama-pp1-tp2-uni"),
@@ -117,7 +97,7 @@ def test_vllm_engine_matches_transformers_and_pipejax(checkpoints, arch, pp, tp,
             "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
     got = run_engine(spec, **env)
-    want = [hf_greedy(model, b) for b in batches]
+    want = [hf_greedy(model, b, MAX_TOKENS) for b in batches]
     for b, (g, w) in enumerate(zip(got["outputs"], want, strict=True)):
         bad = [i for i in range(len(w)) if g[i] != w[i]]
         assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
@@ -225,13 +205,21 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
     prompt = [ord(c) for c in "Pipelines "]  # byte-level tokens: one per ASCII character
-    want = hf_greedy(model, [prompt])[0]
+    want = hf_greedy(model, [prompt], MAX_TOKENS)[0]
     exact = {"ignore_eos": True, "return_token_ids": True}
 
     done = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body=exact)
     assert done.choices[0].token_ids == want
     assert done.usage.completion_tokens == MAX_TOKENS
+    # Logprobs: the raw model distribution at every generated position, as transformers computes it.
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3,
+                                       extra_body=exact)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + want])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(want)), torch.tensor(want)]
+    got = torch.tensor(scored.choices[0].logprobs.token_logprobs, dtype=torch.float64)
+    assert torch.allclose(got, expected, atol=1e-4), (got, expected)
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text
@@ -242,7 +230,7 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                           extra_body=exact)
     assert chat.prompt_token_ids == rendered  # the checkpoint's chat template, applied by vLLM
-    assert chat.choices[0].token_ids == hf_greedy(model, [rendered])[0]
+    assert chat.choices[0].token_ids == hf_greedy(model, [rendered], MAX_TOKENS)[0]
     parts = client.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat.choices[0].message.content

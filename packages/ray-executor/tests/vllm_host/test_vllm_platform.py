@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import vllm
 import vllm.platforms
+from oracle import TINY  # the ray-executor tests' tiny checkpoints
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
 
@@ -12,15 +13,11 @@ from pipejax.platform_tpu.vllm_platform import PipejaxPlatform
 from pipejax.runner.builtin_model import write_checkpoint
 from pipejax.worker.vllm_requests import UnsupportedFeatureError, to_sampling_params
 
-TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "architectures": ["LlamaForCausalLM"]}
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt")
-    write_checkpoint(path, TINY, seed=0)
+    write_checkpoint(path, {**TINY, "architectures": ["LlamaForCausalLM"]}, seed=0)
     return str(path)
 
 

@@ -143,17 +143,17 @@ def plan_stages(pp: int, tp: int, backend: str | None, partition: str | None) ->
             f"stage is its own worker process; use distributed_executor_backend='mp' (one host) or 'ray'"
         )
     platform = _pipejax_platform()
-    ours = "ray" if backend == "ray" else "uni"
-    # Every stage is its own process (vLLM worker): plan them as the Ray backend places stages.
-    plan = platform.plan(ParallelConfig(pp, tp, 1, partition, ours))
-    plan = platform.plan(dataclasses.replace(plan.parallel, distributed_executor_backend="ray"))
+    # The layout rules of the executor asked for ('uni'/'mp': one host), then every stage placed as
+    # its own process (a vLLM worker), as pipejax's Ray backend places stages.
+    asked = ParallelConfig(pp, tp, 1, partition, "ray" if backend == "ray" else "uni")
+    checked = platform.check_and_update_config(asked)
+    plan = platform.plan(dataclasses.replace(checked, distributed_executor_backend="ray"))
     first_host = [s.env for s in plan.stages if s.host == 0]
     log.info("pipejax under vLLM: %s", plan.describe())
     return {
         "tensor_parallel_size": tp,
         "pp_layer_partition": partition,
         "stage_environments": first_host,  # a stage takes the one of its local rank on its host
-        "model_impl": "jax",
     }
 
 

@@ -205,7 +205,6 @@ class VllmStageWorker(WorkerBase):
             cache=cache,
             dtype=str(mc.dtype).removeprefix("torch."),
             seed=mc.seed or 0,
-            model_impl=self.options.get("model_impl", "jax"),
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

@@ -126,7 +126,7 @@ class StageWorker:
         else:  # CPU: devices share host RAM
             sharers = max(len(jax.local_devices()), stages_on_host * len(self.devices))
             free = psutil.virtual_memory().available / sharers
-        per_block = kv_bytes_per_block(self.model_config, self.stage, self.config.tp_size, cache.block_size)
+        per_block = self.kv_bytes_per_block()
         max_len = min(cache.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
         useful = 1 + cache.max_num_seqs * math.ceil(max_len / cache.block_size)
