@@ -52,3 +52,12 @@ def test_generate_unknown_model_path(tmp_path):
     proc = run_cli("generate", "--model", str(tmp_path / "missing"), "hi")
     assert proc.returncode == 2
     assert f"model '{tmp_path / 'missing'}' is not a folder holding a Hugging Face checkpoint" in proc.stderr
+
+
+def test_generate_on_a_tpu_host_uses_the_tpu_not_the_cpu():
+    """A faked v5e-8 host (the TPU VM's TPU_ACCELERATOR_TYPE): the CLI gives the engine its chips and JAX the
+    TPU backend, which this machine (no libtpu) cannot open. It must say so, not compute on the CPU."""
+    proc = run_cli("generate", "--model", "builtin", "-pp", "2", "-tp", "2", "--max-tokens", "2", "hi",
+                   env_extra={"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, timeout=120)
+    assert proc.returncode != 0 and "tokens/s" not in proc.stdout, proc.stdout
+    assert "Unable to initialize backend 'tpu'" in proc.stderr, proc.stderr[-3000:]

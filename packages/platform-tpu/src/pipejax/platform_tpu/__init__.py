@@ -8,9 +8,11 @@ from pipejax.platform_tpu.hardware import (
     TpuGeneration,
     TpuNotFoundError,
     cpu_hardware,
+    detect_host,
     detect_tpu_hardware,
     generation,
     parse_accelerator_type,
+    requested_mode,
     resolve_mode,
     tpu_present,
 )
@@ -25,6 +27,7 @@ from pipejax.platform_tpu.layout import (
     choose_backend,
     plan_layout,
     process_env,
+    stage_process_env,
 )
 from pipejax.platform_tpu.platform import TpuPlatform
 from pipejax.platform_tpu.plugin import PLATFORM_CLASS, register, register_vllm
@@ -46,6 +49,7 @@ __all__ = [
     "check_layout",
     "choose_backend",
     "cpu_hardware",
+    "detect_host",
     "detect_tpu_hardware",
     "generation",
     "parse_accelerator_type",
@@ -53,6 +57,8 @@ __all__ = [
     "process_env",
     "register",
     "register_vllm",
+    "requested_mode",
     "resolve_mode",
+    "stage_process_env",
     "tpu_present",
 ]

@@ -192,13 +192,25 @@ def tpu_present(environ: Mapping[str, str] = os.environ, sys_root: str = "/sys",
 
 def resolve_mode(explicit: str | None, environ: Mapping[str, str] = os.environ, **probe_roots: str) -> str:
     """``explicit`` (config) > ``PIPEJAX_PLATFORM`` > "tpu" when a TPU is seen > "cpu" (development)."""
-    sources = [("mode", explicit), (PLATFORM_ENV, environ.get(PLATFORM_ENV))]
-    for source, value in sources:
+    return requested_mode(explicit, environ) or ("tpu" if tpu_present(environ, **probe_roots) else "cpu")
+
+
+def requested_mode(explicit: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The mode the user asked for (``explicit`` > ``PIPEJAX_PLATFORM``), or None: detect per host."""
+    for source, value in (("mode", explicit), (PLATFORM_ENV, environ.get(PLATFORM_ENV))):
         if value:
             if value.lower() not in MODES:
                 raise ValueError(f"{source}={value!r} is not a platform mode: use 'tpu' or 'cpu' (development)")
             return value.lower()
-    return "tpu" if tpu_present(environ, **probe_roots) else "cpu"
+    return None
+
+
+def detect_host(explicit: str | None = None, environ: Mapping[str, str] = os.environ, **probe_roots: str) -> Hardware:
+    """This one host, cheaply (never JAX: the caller may not have set its chips yet): its TPUs when it
+    shows any (and CPU was not asked for), else simulated CPU devices. ``num_hosts`` is 1."""
+    if resolve_mode(explicit, environ, **probe_roots) == "cpu":
+        return cpu_hardware(environ)
+    return detect_tpu_hardware(environ, jax_fallback=False, num_hosts=1, **probe_roots)
 
 
 def cpu_hardware(environ: Mapping[str, str] = os.environ, num_hosts: int = 1) -> Hardware:

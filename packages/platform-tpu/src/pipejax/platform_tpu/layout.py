@@ -193,6 +193,8 @@ def process_env(hw: Hardware, chips: tuple[int, ...], devices: int, *, xla_flags
     bounds = CHIP_BOUNDS.get(len(chips), "")
     port = str(TPU_PORT_BASE + chips[0])
     env = {
+        # The host's own backend (CPU stays available for host-side arrays): never the CPU alone.
+        "JAX_PLATFORMS": "tpu,cpu",
         "TPU_VISIBLE_CHIPS": ",".join(str(c) for c in chips),
         "TPU_PROCESS_BOUNDS": "1,1,1",
         "TPU_CHIPS_PER_PROCESS_BOUNDS": bounds,
@@ -211,6 +213,33 @@ def process_env(hw: Hardware, chips: tuple[int, ...], devices: int, *, xla_flags
     if len(chips) < hw.chips_per_host:  # other processes may hold the rest of this host's chips
         env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     return {k: v for k, v in env.items() if v}
+
+
+def stage_process_env(hw: Hardware, chips: tuple[int, ...], tp: int, *, xla_flags: str = "") -> dict[str, str]:
+    """The environment of a stage of ``tp`` devices that was granted ``chips`` of a host like ``hw``
+    (e.g. by Ray's ``TPU`` resource ids). On TPU the chips must be the stage's whole box: as many as
+    ``stage_chips`` says, consecutive, starting at a multiple of their count, on the host."""
+    if hw.platform == "tpu":
+        want = stage_chips(tp, hw)
+        aligned = len(chips) == want and chips == tuple(range(chips[0], chips[0] + want)) and chips[0] % want == 0
+        if not aligned or chips[-1] >= hw.chips_per_host:
+            raise LayoutError(
+                f"a stage of tensor_parallel_size={tp} on a {hw.device_name()} host needs {want} consecutive chips "
+                f"starting at a multiple of {want} (one TPU_CHIPS_PER_PROCESS_BOUNDS box of the host's "
+                f"{hw.chips_per_host}), but was granted chips {list(chips)}. Other work on that host holds "
+                f"chips out of line: give the job whole hosts, or use a tensor_parallel_size whose box fits"
+            )
+    return process_env(hw, chips, tp, xla_flags=xla_flags)
+
+
+def driver_env(hw: Hardware, pp: int, tp: int, backend: str | None, *, xla_flags: str = "") -> dict[str, str]:
+    """The environment of the process that runs an engine of pp x tp (dp rank 0 of this host): its box of
+    chips under 'uni' (the platform's choice when the engine fits the host); under 'ray' JAX's CPU backend
+    alone, since the stages own the chips."""
+    if (backend or ("uni" if engine_fits_host(pp, tp, hw) else "ray")) == "ray":
+        return process_env(hw, (), 0)
+    box = _box(pp * stage_chips(tp, hw), hw)
+    return process_env(hw, tuple(range(box)), pp * tp, xla_flags=xla_flags)
 
 
 def _box(chips: int, hw: Hardware) -> int:

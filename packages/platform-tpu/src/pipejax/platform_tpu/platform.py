@@ -12,6 +12,7 @@ The mode is ``mode=`` if given, else ``PIPEJAX_PLATFORM``, else "tpu" when a TPU
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -19,13 +20,28 @@ from typing import TYPE_CHECKING
 from pipejax.platform_tpu.hardware import (
     Hardware,
     cpu_hardware,
+    detect_host,
     detect_tpu_hardware,
+    generation,
+    parse_accelerator_type,
+    requested_mode,
     resolve_mode,
 )
-from pipejax.platform_tpu.layout import WORKER_CLS, PlatformPlan, check_layout, plan_layout
+from pipejax.platform_tpu.layout import (
+    WORKER_CLS,
+    PlatformPlan,
+    check_layout,
+    driver_env,
+    plan_layout,
+    stage_chips,
+    stage_process_env,
+)
 
 if TYPE_CHECKING:  # importing pipejax.pp_utils imports JAX; the platform only reads the config's fields
     from pipejax.pp_utils.config import ParallelConfig
+
+
+RAY_ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's per-node accelerator resource, e.g. accelerator_type:TPU-V5LITEPOD
 
 
 class TpuPlatform:
@@ -46,7 +62,8 @@ class TpuPlatform:
     ):
         """``hardware`` skips detection; ``num_hosts`` overrides the host count detection finds
         (e.g. the Ray cluster's node count); ``environ`` defaults to ``os.environ`` at first use."""
-        self._mode = mode
+        self._mode = mode  # as asked; None: PIPEJAX_PLATFORM, else what the host has
+        self._resolved_mode: str | None = None
         self._hardware = hardware
         self._num_hosts = num_hosts
         self._environ = environ
@@ -60,8 +77,72 @@ class TpuPlatform:
         """"tpu" or "cpu"."""
         if self._hardware is not None:
             return self._hardware.platform
-        self._mode = resolve_mode(self._mode, self._env())
-        return self._mode
+        if self._resolved_mode is None:
+            self._resolved_mode = resolve_mode(self._mode, self._env())
+        return self._resolved_mode
+
+    @property
+    def requested_mode(self) -> str | None:
+        """The mode the user asked for (``mode=`` or ``PIPEJAX_PLATFORM``); None: each host decides by
+        what it has."""
+        return requested_mode(self._mode, self._env())
+
+    def detect_host(self) -> Hardware:
+        """The host this process runs on (one host, cheap probes, never JAX): call it on the node a
+        stage runs on. TPU where the host shows TPUs and CPU was not asked for, else simulated CPU."""
+        return detect_host(self.requested_mode, self._env())
+
+    def stage_environment(self, host: Hardware, chips: tuple[int, ...], tp: int) -> dict[str, str]:
+        """The process environment of a stage of ``tp`` devices granted ``chips`` of ``host`` (a
+        ``detect_host`` result from the stage's node). Raises ``LayoutError`` for chips out of box."""
+        return stage_process_env(host, tuple(chips), tp, xla_flags=self._env().get("XLA_FLAGS", ""))
+
+    def stage_chips(self, tp: int, host: Hardware) -> int:
+        """Chips a stage of ``tp`` devices owns on ``host`` (simulated devices on CPU); ``LayoutError``
+        when ``tp`` does not fill whole chips or fit the host."""
+        return stage_chips(tp, host)
+
+    @staticmethod
+    def ray_node_hardware(resources: Mapping[str, float]) -> Hardware | None:
+        """A TPU host as a Ray node lists it (its ``TPU`` chips and ``accelerator_type:TPU-<gen>``
+        resource), or None when the node lists no TPU or no generation."""
+        chips = int(resources.get("TPU", 0))
+        kinds = [k.removeprefix(RAY_ACCELERATOR_PREFIX) for k in resources if k.startswith(RAY_ACCELERATOR_PREFIX)]
+        tpu_kinds = [k for k in kinds if k.upper().startswith("TPU")]
+        if chips < 1 or not tpu_kinds:
+            return None
+        return Hardware("tpu", 1, chips, generation=generation(tpu_kinds[0]).name)
+
+    @staticmethod
+    def ray_slice_heads(resources: Mapping[str, float]) -> list[str]:
+        """The ``TPU-<pod type>-head`` resources of multi-host slices a Ray node lists (Ray gives one to
+        worker 0 of every slice; a job that spans a slice's hosts holds it, as Ray's own slice
+        reservations do)."""
+        heads = []
+        for key in sorted(resources):
+            if key.startswith("TPU-") and key.endswith("-head"):
+                try:
+                    gen, chips = parse_accelerator_type(key.removeprefix("TPU-").removesuffix("-head"))
+                except ValueError:
+                    continue
+                if chips > gen.chips_per_host:  # a single-host slice's head is just its host
+                    heads.append(key)
+        return heads
+
+    def engine_environment(self, config: ParallelConfig, local_index: int, local_count: int) -> dict[str, str]:
+        """The environment of the ``local_index``-th of ``local_count`` engine processes this host starts
+        (``PlatformPlan.engines``): disjoint chip boxes on TPU; on CPU each simulates its own devices."""
+        if self.is_simulated():
+            plan = self.plan(dataclasses.replace(config, data_parallel_size=1))
+            return plan.engine(0).env
+        one_host = dataclasses.replace(self.hardware, num_hosts=1)
+        plan = plan_layout(dataclasses.replace(config, data_parallel_size=local_count), one_host)
+        return plan.engine(local_index).env
+
+    def driver_environment(self, pp: int, tp: int, backend: str | None) -> dict[str, str]:
+        """What the engine's own process sets before JAX loads (plain sizes: the CLI calls this before
+        importing any config): its chips under 'uni', JAX's CPU backend under 'ray'."""
+        return driver_env(self.hardware, pp, tp, backend, xla_flags=self._env().get("XLA_FLAGS", ""))
 
     @property
     def hardware(self) -> Hardware:

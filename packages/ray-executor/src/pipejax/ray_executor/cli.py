@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         from pipejax.ray_executor.serving.bench import run_bench_serve
 
         return run_bench_serve(args)
-    configure_devices(args)
     try:
+        configure_devices(args)
         if args.command == "serve":
             from pipejax.ray_executor.serving.serve import run_serve
 

@@ -11,10 +11,19 @@ import os
 
 
 def configure_devices(args: argparse.Namespace) -> None:
-    """Unless PIPEJAX_PLATFORM says otherwise, run on the CPU with enough simulated devices."""
-    if os.environ.get("PIPEJAX_PLATFORM", "cpu") != "cpu":
+    """This process's devices, before JAX loads, as the platform decides for this host: where it has
+    no accelerator (or PIPEJAX_PLATFORM=cpu), JAX's CPU backend with enough simulated devices; on a TPU
+    host the engine's box of chips (backend 'uni'), or JAX's CPU backend alone where the engines' stages
+    or processes own the chips (the Ray backend, ``serve``)."""
+    from pipejax.ray_executor.platforms import current_platform
+
+    platform = current_platform()
+    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    if not platform.is_simulated():
+        backend = "ray" if getattr(args, "command", None) == "serve" else args.distributed_executor_backend
+        os.environ.update(platform.driver_environment(pp, tp, backend))
         return
-    need = args.pipeline_parallel_size * args.tensor_parallel_size
+    need = pp * tp
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:

@@ -12,20 +12,17 @@ from concurrent.futures import Future
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pipejax.pp_utils import WorkerRecord, rank_workers
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.executor.base import Executor
 from pipejax.ray_executor.executor.compiled_graph import CompiledPipeline
 from pipejax.ray_executor.executor.ray_placement import (
-    base_environment,
+    TPU_RESOURCE,
     connect,
     create_placement_group,
-    device_resource,
-    stage_environments,
+    launch_stages,
+    stage_units,
 )
-from pipejax.ray_executor.executor.stage_actor import StageActor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 
@@ -44,33 +41,14 @@ class RayExecutor(Executor):
         par = config.parallel
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         platform = current_platform()
-        self.resource = device_resource(platform)
-        self._started_ray = connect(config.ray_address, self.resource, pp * tp)
+        self._started_ray = connect(config.ray_address, platform, pp * tp)
+        self.units = stage_units(platform, pp, tp)
         self._own_pg = config.placement_group is None
-        self.pg = config.placement_group or create_placement_group(pp, tp, self.resource, config.placement_timeout_s)
+        self.pg = config.placement_group or create_placement_group(pp, self.units, config.placement_timeout_s)
         timeout = config.step_timeout_s
-        actors = [
-            ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
-            .options(
-                num_cpus=0,
-                resources={self.resource: tp},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": base_environment()},
-            )
-            .remote()
-            for i in range(pp)
-        ]
-        # Re-rank by where the actors landed: creation order is never trusted.
-        infos = ray.get([a.node_info.remote() for a in actors], timeout=timeout)
-        records = [WorkerRecord(i["node_id"], i["ip"], n) for n, i in enumerate(infos)]
-        ranked = rank_workers(records, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
-        self.actors = [actors[r.record.creation_index] for r in ranked]
-        self.placement = [{**infos[r.record.creation_index], "local_rank": r.local_rank,
-                           "local_world_size": r.local_world_size} for r in ranked]
-        envs = stage_environments(platform, par, self.placement)
-        cpus = self._stage_cpus(platform, timeout) if config.pin_stage_cpus else [None] * pp
-        ray.get([a.set_environment.remote(env, c) for a, env, c in zip(self.actors, envs, cpus, strict=True)],
-                timeout=timeout)
+        stages = launch_stages(platform, self.pg, pp, tp, self.units, timeout,
+                               cpus_for=self._stage_cpus if config.pin_stage_cpus else None)
+        self.actors, self.placement = stages.actors, stages.placement
         addresses = ray.get(
             [
                 a.init_worker.remote(config.worker_config(rank), self.placement[rank]["ip"], self._name(rank))
@@ -90,20 +68,20 @@ class RayExecutor(Executor):
         self.collective_rpc("load", self.num_kv_blocks)
         log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))
 
-    def _stage_cpus(self, platform, timeout: float) -> list[list[int]]:
+    def _stage_cpus(self, actors: list, placement: list[dict]) -> list[list[int]]:
         """Each stage's share of its node's cores: the cores its actor may use, split evenly and
         disjointly among the stages on that node by local rank."""
-        if platform.ray_device_key:
+        if self.units.resource == TPU_RESOURCE:
             raise ValueError("pin_stage_cpus is for the CPU backend (simulated devices); drop it on TPU hosts")
-        allowed = ray.get([a.allowed_cpus.remote() for a in self.actors], timeout=timeout)
+        allowed = ray.get([a.allowed_cpus.remote() for a in actors], timeout=self.config.step_timeout_s)
         out = []
         for rank, cores in enumerate(allowed):
-            p = self.placement[rank]
+            p = placement[rank]
             share, n = len(cores) // p["local_world_size"], p["local_world_size"]
             if share == 0:
                 raise ValueError(
-                    f"pin_stage_cpus: {self._name(rank)} shares {len(cores)} core(s) with {n - 1} other stage(s); "
-                    f"each stage needs at least one: drop pin_stage_cpus or use fewer stages per host"
+                    f"pin_stage_cpus: stage {rank} on {p['ip']} shares {len(cores)} core(s) with {n - 1} other "
+                    f"stage(s); each stage needs at least one: drop pin_stage_cpus or use fewer stages per host"
                 )
             out.append(cores[p["local_rank"] * share : (p["local_rank"] + 1) * share])
         return out

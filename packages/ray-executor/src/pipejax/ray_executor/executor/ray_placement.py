@@ -1,4 +1,13 @@
-"""Ray cluster, placement group and per-stage environment for the Ray executor."""
+"""Ray cluster, placement group, stage actors and their per-host environment for the Ray executor.
+
+Units are Ray's own: on a cluster with TPU nodes a stage asks for ``TPU`` chips (and an engine that
+spans a multi-host slice holds the slice's ``TPU-<pod type>-head``), so pipejax shares the cluster
+with other Ray work; on CPU development clusters a declared resource counts simulated devices.
+
+The platform decides each stage's environment on the stage's own node: the actor detects its host
+there (before JAX is imported in it), and a TPU stage takes the very chips Ray granted it (its
+``TPU`` resource ids), so every stage of every engine on a host holds different chips.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +15,45 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pipejax.pp_utils import WorkerRecord, rank_workers
+from pipejax.ray_executor.executor.stage_actor import StageActor
 
 log = logging.getLogger(__name__)
 
 CPU_DEVICE_RESOURCE = "pipejax_cpu_device"  # what CPU development clusters declare per simulated device
+TPU_RESOURCE = "TPU"  # Ray's own: one per chip
 PASSED_ENV_PREFIXES = ("PIPEJAX_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "RAY_CGRAPH_")
+# Ray would set TPU_VISIBLE_CHIPS and the bounds from the granted ids before every task; the stage
+# sets its own, from the same ids, once.
+NOSET_TPU_ENV = {"RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS": "1"}
 
 
-def device_resource(platform) -> str:
-    """The Ray resource one stage device takes: the platform's (``TPU``), or a declared one on CPU."""
-    return platform.ray_device_key or os.environ.get("PIPEJAX_RAY_DEVICE_RESOURCE", CPU_DEVICE_RESOURCE)
+@dataclasses.dataclass(frozen=True)
+class StageUnits:
+    """What one stage asks Ray for: ``per_stage`` of ``resource``; bundle 0 also holds ``slice_head``."""
+
+    resource: str
+    per_stage: int
+    slice_head: str | None = None
+
+    def bundles(self, pp: int) -> list[dict[str, float]]:
+        out = [{self.resource: float(self.per_stage)} for _ in range(pp)]
+        if self.slice_head:
+            out[0][self.slice_head] = 1.0
+        return out
 
 
-def connect(address: str | None, resource: str, devices_needed: int) -> bool:
+def cpu_device_resource() -> str:
+    return os.environ.get("PIPEJAX_RAY_DEVICE_RESOURCE", CPU_DEVICE_RESOURCE)
+
+
+def connect(address: str | None, platform, devices_needed: int) -> bool:
     """Join ``address``/``RAY_ADDRESS`` or start a local cluster; True when this call started Ray."""
     if ray.is_initialized():
         return False
@@ -29,22 +61,58 @@ def connect(address: str | None, resource: str, devices_needed: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
-    # The embedded default: a local cluster whose one node holds the simulated devices.
-    # address="local" always starts a new cluster: a bare init would attach to any cluster already
-    # running on this machine and then refuse the resources argument.
-    ray.init(address="local", resources={resource: devices_needed}, include_dashboard=False, log_to_driver=False)
+    # The embedded default: a local cluster of this one node. On a TPU host Ray counts its chips itself;
+    # on CPU the node declares the simulated devices. address="local" always starts a new cluster: a bare
+    # init would attach to any cluster already running on this machine and then refuse the resources.
+    resources = {} if platform.is_tpu() else {cpu_device_resource(): devices_needed}
+    ray.init(address="local", resources=resources, include_dashboard=False, log_to_driver=False)
     return True
 
 
-def create_placement_group(pp: int, tp: int, resource: str, timeout_s: float) -> PlacementGroup:
-    """PP bundles of ``{resource: tp}``, PACKed, the first pinned to the driver's node if it has devices."""
-    bundles = [{resource: float(tp)} for _ in range(pp)]
-    driver_ip = ray.util.get_node_ip_address()
+def stage_units(platform, pp: int, tp: int) -> StageUnits:
+    """Ray's units for a stage of ``tp`` devices on this cluster: ``TPU`` chips where the cluster has TPU
+    nodes (unless CPU was asked for), else the CPU device resource. Reads the live nodes' resources."""
+    asked = platform.requested_mode
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    tpu_nodes = {n["NodeManagerAddress"]: platform.ray_node_hardware(n["Resources"]) for n in nodes
+                 if n["Resources"].get(TPU_RESOURCE, 0) > 0}
+    if asked == "cpu" or not tpu_nodes:
+        if asked == "tpu":
+            raise ValueError(f"PIPEJAX_PLATFORM=tpu, but no node of the Ray cluster lists a '{TPU_RESOURCE}' "
+                             f"resource ({len(nodes)} nodes alive); start Ray on the TPU hosts, or unset it")
+        return StageUnits(cpu_device_resource(), tp)
+    unknown = sorted(ip for ip, hw in tpu_nodes.items() if hw is None)
+    if unknown:
+        raise ValueError(
+            f"Ray nodes {unknown} list '{TPU_RESOURCE}' chips but no 'accelerator_type:TPU-<generation>' resource, "
+            f"so a stage's chips cannot be counted (v2, v3 and v7x chips hold 2 devices). Start Ray there with "
+            f"TPU_ACCELERATOR_TYPE set (e.g. v5litepod-8), as TPU VMs and GKE set it"
+        )
+    per_chip = {hw.cores_per_chip for hw in tpu_nodes.values()}
+    if len(per_chip) > 1:
+        raise ValueError(f"the Ray cluster mixes TPU generations ({_kinds(tpu_nodes)}); a pipejax engine needs "
+                         f"one: run it on a cluster (or label selection) of one generation")
+    host = max(tpu_nodes.values(), key=lambda hw: hw.chips_per_host)
+    chips = platform.stage_chips(tp, host)
+    heads = sorted({h for n in nodes for h in platform.ray_slice_heads(n["Resources"])})
+    spans_hosts = pp * chips > host.chips_per_host
+    return StageUnits(TPU_RESOURCE, chips, heads[0] if heads and spans_hosts else None)
+
+
+def _kinds(tpu_nodes: dict) -> str:
+    return ", ".join(f"{ip}: {hw.generation}" for ip, hw in sorted(tpu_nodes.items()))
+
+
+def create_placement_group(pp: int, units: StageUnits, timeout_s: float) -> PlacementGroup:
+    """PP bundles of ``units``, PACKed, the first pinned to the driver's node if it has the devices (and
+    no slice head is asked for: that pins bundle 0 to the slice's worker 0)."""
+    bundles = units.bundles(pp)
     driver_node = ray.get_runtime_context().get_node_id()
     here = next((n for n in ray.nodes() if n["NodeID"] == driver_node), None)
-    if here is not None and here["Resources"].get(resource, 0) >= tp:
-        bundles[0][f"node:{driver_ip}"] = 0.001
-    pg = placement_group(bundles, strategy="PACK", name=f"pipejax-pp{pp}-tp{tp}-{os.getpid()}-{time.time_ns()}")
+    if not units.slice_head and here is not None and here["Resources"].get(units.resource, 0) >= units.per_stage:
+        bundles[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
+    name = f"pipejax-pp{pp}-{units.resource}{units.per_stage}-{os.getpid()}-{time.time_ns()}"
+    pg = placement_group(bundles, strategy="PACK", name=name)
     deadline = time.monotonic() + timeout_s
     while True:
         ready, _ = ray.wait([pg.ready()], timeout=min(10.0, max(0.1, deadline - time.monotonic())))
@@ -52,8 +120,8 @@ def create_placement_group(pp: int, tp: int, resource: str, timeout_s: float) ->
             return pg
         if time.monotonic() >= deadline:
             ray.util.remove_placement_group(pg)
-            raise RuntimeError(_missing_resources_message(bundles, resource, timeout_s))
-        log.info("waiting for a placement group of %d x {%s: %d} ...", pp, resource, tp)
+            raise RuntimeError(_missing_resources_message(bundles, units.resource, timeout_s))
+        log.info("waiting for a placement group of %s ...", bundles)
 
 
 def _missing_resources_message(bundles: list[dict], resource: str, timeout_s: float) -> str:
@@ -70,24 +138,77 @@ def _missing_resources_message(bundles: list[dict], resource: str, timeout_s: fl
     )
 
 
-def stage_environments(platform, parallel, placement: list[dict]) -> list[dict[str, str]]:
-    """Per rank: the platform's environment for the stage (visible chips, process bounds, task id; on
-    CPU the simulated device count) plus the driver's pipejax/HF variables.
-
-    The platform plans stages host by host; rank r, the ``local_rank``-th stage on its node, takes
-    the environment the plan gives the ``local_rank``-th stage of a host.
-    """
-    hosts = len({p["node_id"] for p in placement})
-    plan = type(platform)(mode=platform.mode, num_hosts=hosts).plan(
-        dataclasses.replace(parallel, data_parallel_size=1, distributed_executor_backend="ray")
-    )
-    by_host: dict[int, list] = {}
-    for stage in plan.stages:
-        by_host.setdefault(stage.host, []).append(stage)
-    passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
-    return [{**passed, **by_host[0][p["local_rank"]].env} for p in placement]
-
-
 def base_environment() -> dict[str, str]:
-    """What a stage actor starts with, before it knows its rank: no device is claimed yet."""
-    return {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)} | {"JAX_PLATFORMS": "cpu"}
+    """What a stage (or engine-core) actor starts with, before it knows its chips: no device claimed
+    (JAX, if anything imported it this early, would take the CPU), and Ray told not to set chips."""
+    passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+    return passed | NOSET_TPU_ENV | {"JAX_PLATFORMS": "cpu"}
+
+
+@dataclasses.dataclass
+class StageGroup:
+    """The stage actors of one engine, ranked, each with its environment set (JAX not yet imported)."""
+
+    actors: list[Any]
+    placement: list[dict[str, Any]]  # per rank: node_id, ip, host, pid, local_rank, local_world_size,
+    #                                   hardware (its host's), chips, env
+
+
+def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUnits, timeout_s: float,
+                  cpus_for=None) -> StageGroup:
+    """Start ``pp`` stage actors in ``pg``'s bundles, rank them by where they landed, and set each one's
+    environment from its own host: the host detected on that node (or, failing that, as that Ray node
+    lists it), the chips Ray granted it. ``cpus_for(actors, placement)`` may give each its cores."""
+    actor_class = ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
+    actors = [
+        actor_class.options(
+            num_cpus=0,
+            resources={units.resource: units.per_stage},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+            runtime_env={"env_vars": base_environment()},
+        ).remote()
+        for i in range(pp)
+    ]
+    try:
+        reports = ray.get([a.host_report.remote() for a in actors], timeout=timeout_s)
+        # Re-rank by where the actors landed: creation order is never trusted.
+        records = [WorkerRecord(r["node_id"], r["ip"], n) for n, r in enumerate(reports)]
+        ranked = rank_workers(records, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+        actors = [actors[r.record.creation_index] for r in ranked]
+        placement = [{**reports[r.record.creation_index], "local_rank": r.local_rank,
+                      "local_world_size": r.local_world_size} for r in ranked]
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+        passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+        for rank, p in enumerate(placement):  # the platform decides per host
+            p["hardware"] = _stage_host(platform, p, resources.get(p["node_id"], {}), units, rank)
+            p["chips"] = _stage_chips(platform, p, tp, units)
+            p["env"] = {**passed, **NOSET_TPU_ENV, **platform.stage_environment(p["hardware"], p["chips"], tp)}
+        cpus = cpus_for(actors, placement) if cpus_for else [None] * pp
+        ray.get([a.set_environment.remote(p["env"], c) for a, p, c in zip(actors, placement, cpus, strict=True)],
+                timeout=timeout_s)
+    except BaseException:  # a stage that cannot be set up must not keep its bundle's chips
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        raise
+    return StageGroup(actors, placement)
+
+
+def _stage_host(platform, p: dict, node_resources: dict, units: StageUnits, rank: int):
+    """The host of a stage: as detected on its node; a node Ray granted TPU chips but where detection saw
+    none (no PCI ids, device files or TPU_ACCELERATOR_TYPE there) is taken as its Ray resources list it."""
+    hw = p["detected"]
+    if units.resource == TPU_RESOURCE and hw.platform != "tpu":
+        hw = platform.ray_node_hardware(node_resources)
+        if hw is None:
+            raise ValueError(f"stage {rank} on {p['ip']} holds '{TPU_RESOURCE}' chips, but neither the host "
+                             f"({p['detected'].describe()}) nor its Ray resources show a TPU generation; set "
+                             f"TPU_ACCELERATOR_TYPE on that node")
+    return hw
+
+
+def _stage_chips(platform, p: dict, tp: int, units: StageUnits) -> tuple[int, ...]:
+    """The chips Ray granted (TPU ids); without them (CPU devices) the ``local_rank``-th box of the host."""
+    if p["granted_tpu_ids"] and p["hardware"].platform == "tpu":
+        return tuple(sorted(int(i) for i in p["granted_tpu_ids"]))
+    per = platform.stage_chips(tp, p["hardware"])
+    return tuple(range(p["local_rank"] * per, (p["local_rank"] + 1) * per))

@@ -1,8 +1,10 @@
 """The body of one stage's Ray actor: a ``StageWorker`` plus its end of the PP transport.
 
-The actor is created before it knows its rank, so nothing JAX-related is imported at creation:
-the executor first asks where it runs, ranks the actors, sets each one's environment (visible
-chips / simulated devices), and only then ``init_worker`` imports JAX and builds the stage. After
+The actor is created before it knows its rank, so nothing JAX-related is imported at creation
+(JAX reads ``JAX_PLATFORMS`` once, at import): the executor first asks where it runs and what
+host that is (``host_report``: detected here, on the stage's own node, with the TPU chips Ray
+granted it), ranks the actors, sets each one's environment (its chips / simulated devices), and
+only then ``init_worker`` imports JAX and builds the stage. After
 that, ``call`` reaches any method of the stage's ``StageWorker`` (the executor's ``collective_rpc``).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any
 
 import ray
@@ -32,6 +35,18 @@ class StageActor:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
+
+    def host_report(self) -> dict[str, Any]:
+        """Where this actor runs and what that host is, found here: the platform's cheap detection of
+        this host (never JAX) and the TPU chip ids Ray granted this actor (none on CPU)."""
+        from pipejax.ray_executor.platforms import current_platform
+
+        granted = ray.get_runtime_context().get_accelerator_ids().get("TPU", [])
+        return {**self.node_info(), "detected": current_platform().detect_host(), "granted_tpu_ids": list(granted)}
+
+    def environment(self) -> dict[str, Any]:
+        """This process's environment as it stands, and whether JAX is loaded yet (tests, debugging)."""
+        return {"env": dict(os.environ), "jax_loaded": "jax" in sys.modules}
 
     def allowed_cpus(self) -> list[int]:
         return sorted(os.sched_getaffinity(0))

@@ -1,21 +1,29 @@
 """Starting, watching and stopping the DP engine cores: Ray actors (backend ``ray``) or local processes (``mp``).
 
-Backend ``ray``: every rank gets a placement group of pp bundles ``{<device resource>: tp}``
-(PACK), created from the head; ``data_parallel_size_local`` of them are pinned to the head's node
+Backend ``ray``: every rank gets a placement group of pp bundles in Ray's units (``{TPU: chips}`` on
+TPU clusters, the CPU device resource in development; see ``ray_placement.stage_units``), PACKed,
+created from the head; ``data_parallel_size_local`` of them are pinned to the head's node
 (label ``ray.io/node-id``) and the others kept off it, or, without it, Ray places all of them by
 resources. The engine-core actor (no resources of its own) sits in bundle 0 and its
 ``RayExecutor`` creates the stage actors in the same group, so a rank's stages land where its
-bundles were reserved. Addresses go to the actors as arguments; nothing is asked back.
+bundles were reserved; Ray grants each stage its own TPU chip ids, so engines sharing a host hold
+disjoint chips. Addresses go to the actors as arguments; nothing is asked back.
+
+Backend ``mp``: each local engine process starts with the environment the platform plans for it
+(``PlatformPlan.engines``: its own box of chips on a TPU host).
 
 ``poll_dead`` reports each engine that ended, with the cause (not naming the engine), exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import threading
 import time
 
 from pipejax.ray_executor.config import EngineConfig
@@ -32,6 +40,25 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
 
 
+_env_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``os.environ`` updated with ``env`` inside the block (one block at a time), restored after."""
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 class RayEngines:
     def __init__(self, config: EngineConfig, dp_size: int, dp_local: int | None, addresses: DPAddresses,
                  warmup: bool = True):
@@ -45,21 +72,31 @@ class RayEngines:
         self.nodes: list[str] = []
         self._pending: dict = {}  # run() ref -> rank
         self._started_ray = False
+        self.units = None  # ray_placement.StageUnits, once placed
+
+    def place(self) -> None:
+        """Connect to Ray and reserve every rank's placement group (``groups``, ``nodes``, ``units``)."""
+        import ray
+
+        from pipejax.ray_executor.executor.ray_placement import connect, stage_units
+        from pipejax.ray_executor.platforms import current_platform
+
+        par = self.config.parallel
+        platform = current_platform()
+        self._started_ray = connect(self.config.ray_address, platform, self.dp_size * par.world_size)
+        self.units = stage_units(platform, par.pipeline_parallel_size, par.tensor_parallel_size)
+        head = ray.get_runtime_context().get_node_id()
+        self.groups = [self._placement_group(rank, head, self.units) for rank in range(self.dp_size)]
+        self._wait_placed(self.units)
+        self._check_reachable(head)
 
     def start(self) -> None:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pipejax.ray_executor.executor.ray_placement import base_environment, connect, device_resource
-        from pipejax.ray_executor.platforms import current_platform
+        from pipejax.ray_executor.executor.ray_placement import base_environment
 
-        par = self.config.parallel
-        resource = device_resource(current_platform())
-        self._started_ray = connect(self.config.ray_address, resource, self.dp_size * par.world_size)
-        head = ray.get_runtime_context().get_node_id()
-        self.groups = [self._placement_group(rank, head, resource) for rank in range(self.dp_size)]
-        self._wait_placed(resource)
-        self._check_reachable(head)
+        self.place()
         actor_class = ray.remote(concurrency_groups={"control": 1})(EngineCoreActor)
         for rank, pg in enumerate(self.groups):
             config = dataclasses.replace(self.config, placement_group=pg)
@@ -71,14 +108,14 @@ class RayEngines:
             ).remote(config, rank, self.addresses, self.warmup)
             self.actors.append(actor)
             self._pending[actor.run.remote()] = rank
+        par = self.config.parallel
         log.info("started %d engine-core actors (pp=%d x tp=%d each) on nodes %s", self.dp_size,
                  par.pipeline_parallel_size, par.tensor_parallel_size, [n[:8] for n in self.nodes])
 
-    def _placement_group(self, rank: int, head: str, resource: str):
+    def _placement_group(self, rank: int, head: str, units):
         from ray.util.placement_group import placement_group
 
-        par = self.config.parallel
-        bundles = [{resource: float(par.tensor_parallel_size)} for _ in range(par.pipeline_parallel_size)]
+        bundles = units.bundles(self.config.parallel.pipeline_parallel_size)
         selector = None
         if self.dp_local is not None:
             node = head if rank < self.dp_local else f"!{head}"
@@ -86,21 +123,21 @@ class RayEngines:
         return placement_group(bundles, strategy="PACK", name=f"pipejax-dp{rank}-{time.time_ns()}",
                                bundle_label_selector=selector)
 
-    def _wait_placed(self, resource: str) -> None:
+    def _wait_placed(self, units) -> None:
         import ray
         from ray.util.placement_group import placement_group_table
 
         timeout = self.config.placement_timeout_s
         ready, waiting = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
         if waiting:
-            par = self.config.parallel
+            par, resource = self.config.parallel, units.resource
             nodes = ", ".join(f"{n['NodeID'][:8]}: {n['Resources'].get(resource, 0):g}"
                               for n in ray.nodes() if n.get("Alive"))
             where = (f"{self.dp_local} of them on the head node, the rest on other nodes"
                      if self.dp_local is not None else "anywhere")
             raise ValueError(
                 f"the Ray cluster could not place {self.dp_size} data-parallel engines of {par.pipeline_parallel_size} "
-                f"x {{{resource}: {par.tensor_parallel_size}}} ({where}) within {timeout:.0f}s; only "
+                f"x {units.bundles(1)[0]} ({where}) within {timeout:.0f}s; only "
                 f"{len(ready)} fit. '{resource}' per node: {nodes}. Add nodes, or lower -dp/-pp/-tp/-dpl."
             )
         self.nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.groups]
@@ -174,12 +211,22 @@ class ProcessEngines:
         self.warmup = warmup
         self.procs: dict[int, multiprocessing.Process] = {}
 
+    def environment(self, rank: int) -> dict[str, str]:
+        """What engine ``rank`` starts with: the platform's plan for the engines this host starts
+        (on TPU its own box of chips, disjoint from the others'; under 'ray' JAX's CPU backend)."""
+        from pipejax.ray_executor.platforms import current_platform
+
+        return current_platform().engine_environment(self.config.parallel, self.ranks.index(rank), len(self.ranks))
+
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in self.ranks:
             proc = ctx.Process(target=run_engine_process, name=f"pipejax-engine-{rank}",
                                args=(self.config, rank, self.addresses, self.warmup))
-            proc.start()
+            # A spawned process takes this process's environment when it starts (and JAX reads it at
+            # import, before the target runs): set the engine's for the start, then put ours back.
+            with _environment(self.environment(rank)):
+                proc.start()
             self.procs[rank] = proc
         log.info("started engine processes %s", {r: p.pid for r, p in self.procs.items()})
 
