@@ -108,7 +108,15 @@ def multihost(session: nox.Session) -> None:
     """The Ray executor across network-namespace hosts with their own IPs (root; ~1.5 min)."""
     _install_layer(session, "ray-executor", extras=None)  # no torch/transformers: it compares with itself
     session.install("-c", CONSTRAINTS, "pytest", "pytest-timeout")
-    session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", *session.posargs, env=SIM_DEVICES)
+    session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", "-m", "not extra", *session.posargs, env=SIM_DEVICES)
+
+
+@nox.session(default=False)
+def multihost_extra(session: nox.Session) -> None:
+    """More namespace hosts (root; ~2 min): compiled-graph mode, several stages per host, a host lost."""
+    _install_layer(session, "ray-executor", extras=None)
+    session.install("-c", CONSTRAINTS, "pytest", "pytest-timeout")
+    session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", "-m", "extra", *session.posargs, env=SIM_DEVICES)
 
 
 @nox.session

@@ -8,6 +8,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "extra: slower multi-host checks, run by `nox -s multihost_extra` only")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _builtin_model_cache(tmp_path_factory):
     """The built-in model is generated into a per-run folder, not the user's cache."""

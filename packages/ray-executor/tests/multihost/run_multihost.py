@@ -40,6 +40,7 @@ def parse_args(argv=None):
     ap.add_argument("--victim-rank", type=int, default=1, help="the stage whose host is killed (-1: skip)")
     ap.add_argument("--detect-limit-s", type=float, default=30.0)
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--ray-compiled-graph", action="store_true", help="the stages in a Ray Compiled Graph")
     return ap.parse_args(argv)
 
 
@@ -125,7 +126,8 @@ def main() -> int:
         driver_ip = ray.util.get_node_ip_address()
         check("driver runs on the head host", driver_ip == hosts[0]["ip"], f"driver ip {driver_ip}")
         llm = LLM("builtin", pipeline_parallel_size=ARGS.pp, tensor_parallel_size=ARGS.tp,
-                  distributed_executor_backend="ray", num_kv_blocks=128, warmup=False)
+                  distributed_executor_backend="ray", num_kv_blocks=128, warmup=False,
+                  ray_compiled_graph=ARGS.ray_compiled_graph)
         summary["timings"]["ray_engine_start_s"] = round(time.monotonic() - t0, 2)
         placement = llm.engine.executor.placement
         summary["placement"] = placement

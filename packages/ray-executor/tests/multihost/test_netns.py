@@ -85,37 +85,32 @@ def leftovers() -> list[str]:
 
 
 def test_engine_across_namespace_hosts(netns_available, teardown_on_sigterm, tmp_path):
+    run_and_check(tmp_path, HOSTS, pp=3, tp=2, expect_order=EXPECT_ORDER, victim_rank=VICTIM_RANK)
+
+
+@pytest.mark.extra
+def test_compiled_graph_with_several_stages_per_host(netns_available, teardown_on_sigterm, tmp_path):
+    """pp=4 x tp=1 over two namespace hosts of 2 devices (two stages each, ranks h0, h0, h1, h1), the
+    stages in a Ray Compiled Graph; the host of stages 2 and 3 is lost with requests in flight: the
+    error names stage 2 and its host within 30 s, as in plain mode. (``nox -s multihost_extra``)"""
+    hosts = [HostSpec("10.213.0.50", 2), HostSpec("10.213.0.9", 2)]
+    run_and_check(tmp_path, hosts, pp=4, tp=1, expect_order=["pj-h0", "pj-h0", "pj-h1", "pj-h1"], victim_rank=2,
+                  extra_args=["--ray-compiled-graph"])
+
+
+def run_and_check(tmp_path, host_specs, *, pp: int, tp: int, expect_order: list[str], victim_rank: int,
+                  extra_args: tuple[str, ...] = ()) -> None:
     start = time.monotonic()
     log_path = tmp_path / "driver.log"
-    kill_request, killed = tmp_path / "kill_request.json", tmp_path / "killed.json"
-    kill: dict = {}
-    with NetnsCluster(HOSTS, prefix=PREFIX) as cluster:
+    with NetnsCluster(host_specs, prefix=PREFIX) as cluster:
         cluster_up_s = time.monotonic() - start
         hosts = [{"name": h.name, "ip": h.ip, "devices": h.devices} for h in cluster.hosts]
         cmd = [
             sys.executable, str(HERE / "run_multihost.py"),
-            "--hosts", json.dumps(hosts), "--workdir", str(tmp_path), "--pp", "3", "--tp", "2",
-            "--expect-order", ",".join(EXPECT_ORDER), "--victim-rank", str(VICTIM_RANK),
+            "--hosts", json.dumps(hosts), "--workdir", str(tmp_path), "--pp", str(pp), "--tp", str(tp),
+            "--expect-order", ",".join(expect_order), "--victim-rank", str(victim_rank), *extra_args,
         ]  # fmt: skip
-        with open(log_path, "w") as log:
-            driver = cluster.popen(0, cmd, env={"RAY_ADDRESS": cluster.address}, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + DRIVER_TIMEOUT_S
-            while driver.poll() is None and not kill_request.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if kill_request.exists():
-                request = json.loads(kill_request.read_text())
-                victim = cluster.host_by_ip(request["ip"])
-                assert victim.index != 0, f"the driver asked to kill the head host: {request}"
-                killed_at = time.time()
-                processes = cluster.kill_host(victim.index, cut_link=True)
-                write_atomically(killed, {"time": killed_at, "processes": processes})
-                kill = {"host": victim.name, "processes": processes, "kill_s": round(time.time() - killed_at, 3)}
-            driver.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # reported below; the teardown kills it with everything else in the namespace
-        finally:
-            rc = driver.poll()
+        rc, kill = drive(cluster, cmd, tmp_path, log_path)
         teardown_start = time.monotonic()
     teardown_s = time.monotonic() - teardown_start
     log_text = log_path.read_text(errors="replace")
@@ -136,5 +131,57 @@ def test_engine_across_namespace_hosts(netns_available, teardown_on_sigterm, tmp
     failed = {k: summary["notes"].get(k, "") for k, ok in summary["checks"].items() if not ok}
     assert rc == 0 and summary["ok"], f"failed checks: {failed} (rc {rc}); driver log:\n{log_text[-8000:]}"
     assert summary["checks"].get("a lost host raises EngineDeadError"), "the lost-host phase did not run"
-    assert summary["rank_hosts"] == EXPECT_ORDER
+    assert summary["rank_hosts"] == expect_order
+    assert not leftovers(), f"teardown left: {leftovers()}"
+
+
+def drive(cluster: NetnsCluster, cmd: list[str], workdir, log_path) -> tuple[int | None, dict]:
+    """Run a driver on the head host; lose the host it names in ``kill_request.json`` (never the head),
+    answer with ``killed.json``; return its exit status (None: still running at the deadline) and the kill."""
+    kill_request, killed = workdir / "kill_request.json", workdir / "killed.json"
+    kill: dict = {}
+    with open(log_path, "w") as log:
+        driver = cluster.popen(0, cmd, env={"RAY_ADDRESS": cluster.address}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + DRIVER_TIMEOUT_S
+        while driver.poll() is None and not kill_request.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if kill_request.exists():
+            request = json.loads(kill_request.read_text())
+            victim = cluster.host_by_ip(request["ip"])
+            assert victim.index != 0, f"the driver asked to kill the head host: {request}"
+            killed_at = time.time()
+            processes = cluster.kill_host(victim.index, cut_link=True)
+            write_atomically(killed, {"time": killed_at, "processes": processes})
+            kill = {"host": victim.name, "processes": processes, "kill_s": round(time.time() - killed_at, 3)}
+        driver.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # reported by the caller; the teardown kills it with everything else in the namespace
+    return driver.poll(), kill
+
+
+@pytest.mark.extra
+@pytest.mark.parametrize("dpl, lose", [(1, True), (0, False)], ids=["dpl1-host-lost", "dpl0-api-server-alone"])
+def test_serve_data_parallel_engines_on_namespace_hosts(netns_available, teardown_on_sigterm, tmp_path, dpl, lose):
+    """`pipejax serve -dp 2 -dpl N -dpb ray` with the API server on the head (pj-h0): -dpl 1 puts engine 1
+    on pj-h1 (its own IP), whose loss must fail only engine 1's requests, by name, within 30 s, with
+    /health degraded; -dpl 0 puts both engines on pj-h1. Outputs equal a single-host run. (multihost_extra)"""
+    hosts = [HostSpec("10.213.0.50", 1), HostSpec("10.213.0.9", 1 if dpl else 2)]
+    log_path = tmp_path / "driver.log"
+    with NetnsCluster(hosts, prefix=PREFIX) as cluster:
+        names = [{"name": h.name, "ip": h.ip, "devices": h.devices} for h in cluster.hosts]
+        cmd = [sys.executable, str(HERE / "run_serve_multihost.py"), "--hosts", json.dumps(names),
+               "--workdir", str(tmp_path), "--dpl", str(dpl), *(["--lose-host"] if lose else [])]
+        rc, kill = drive(cluster, cmd, tmp_path, log_path)
+    log_text = log_path.read_text(errors="replace")
+    serve_log = (tmp_path / "serve.log").read_text(errors="replace") if (tmp_path / "serve.log").exists() else ""
+    summary_path = tmp_path / "summary.json"
+    logs = f"driver log:\n{log_text[-6000:]}\nserve log:\n{serve_log[-6000:]}"
+    assert summary_path.exists(), f"no summary (rc {rc}); {logs}"
+    summary = json.loads(summary_path.read_text())
+    print("multihost serve:", json.dumps({"timings": summary["timings"], "engine_hosts": summary.get("engine_hosts"),
+                                          "kill": kill}))
+    failed = {k: summary["notes"].get(k, "") for k, ok in summary["checks"].items() if not ok}
+    assert rc == 0 and summary["ok"], f"failed: {failed} (rc {rc})\n{logs}"
+    assert not lose or summary["checks"].get("/health says degraded"), "the lost-host phase did not run"
     assert not leftovers(), f"teardown left: {leftovers()}"

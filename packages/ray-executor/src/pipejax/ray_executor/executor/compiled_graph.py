@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,7 +35,10 @@ class StepControl:
 class CompiledPipeline:
     """Compiles ``stage 0 -> ... -> last`` once; ``submit(batch)`` returns a future of the last stage's output."""
 
-    def __init__(self, actors: list, max_inflight: int, get_timeout_s: float):
+    def __init__(self, actors: list, max_inflight: int, get_timeout_s: float,
+                 describe_error: Callable[[Exception], Exception] | None = None):
+        """``describe_error`` turns a Ray error of a step (a dead actor, a channel timeout) into the error
+        the engine reports (the executor names the stage and its host)."""
         context = DAGContext.get_current()
         # A step may include a first-time JIT compile; the defaults (10 s) are for microsecond graphs.
         context.get_timeout = int(get_timeout_s)
@@ -50,6 +54,8 @@ class CompiledPipeline:
             _max_inflight_executions=max_inflight, _buffer_size_bytes=CONTROL_BUFFER_BYTES
         )
         self.get_timeout_s = get_timeout_s
+        self._describe_error = describe_error or (
+            lambda exc: RuntimeError(f"compiled graph step failed: {type(exc).__name__}: {exc}"))
         # Results are read in submission order by one thread, so the engine gets ordinary futures.
         self._pending: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read_results, name="pipejax-cgraph-reader", daemon=True)
@@ -66,7 +72,7 @@ class CompiledPipeline:
             try:
                 value = ref.get(timeout=self.get_timeout_s)
             except Exception as exc:  # a dead actor, a channel timeout: the engine reports it
-                future.set_exception(RuntimeError(f"compiled graph step failed: {type(exc).__name__}: {exc}"))
+                future.set_exception(self._describe_error(exc))
                 continue
             if isinstance(value, StepControl):  # only failures end as a control message at the driver
                 future.set_exception(RuntimeError(value.error))

@@ -95,13 +95,23 @@ class RayExecutor(Executor):
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
         if self.config.ray_compiled_graph:
             if self.pipeline is None:
-                self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s)
+                self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s,
+                                                 describe_error=self._compiled_step_error)
             return self.pipeline.submit(batch)
         refs = [a.call.remote("execute_model", batch) for a in self.actors]
         result: Future[SamplerOutput] = Future()
         for rank, ref in enumerate(refs):
             ref.future().add_done_callback(lambda f, rank=rank: self._stage_done(rank, f, result))
         return result
+
+    def _compiled_step_error(self, exc: Exception) -> StageFailedError:
+        """A compiled-graph step's Ray error, naming the stage (and host) whose actor it was, as plain mode does."""
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        dead = str(getattr(exc, "actor_id", "") or "")
+        for rank, actor in enumerate(self.actors):
+            if dead and dead == actor._actor_id.hex():
+                return StageFailedError(f"{self._name(rank)} is gone (compiled graph): {type(exc).__name__}: {cause}")
+        return StageFailedError(f"compiled graph step failed: {type(exc).__name__}: {exc}")
 
     def _stage_done(self, rank: int, stage_future: Future, result: Future) -> None:
         if result.done():
