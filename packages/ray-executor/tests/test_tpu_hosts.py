@@ -153,3 +153,28 @@ def read_proc_environ(pid: int) -> dict[str, str]:
         if env or time.monotonic() > deadline:
             return env
         time.sleep(0.01)
+
+
+V4_16_HEAD = {"num_cpus": 1, "resources": {"TPU": 4, "accelerator_type:TPU-V4": 1, "TPU-v4-16-head": 1},
+              "env_vars": {"TPU_ACCELERATOR_TYPE": "v4-16"}}
+V4_16_WORKER_NO_ENV = {"num_cpus": 1, "resources": {"TPU": 4, "accelerator_type:TPU-V4": 1}}  # nothing to detect
+
+
+@pytest.mark.parametrize("cluster", [[{"num_cpus": 1}, V4_16_HEAD, V4_16_WORKER_NO_ENV]], indirect=True)
+def test_engine_over_a_multi_host_slice_holds_its_head_and_hosts_fall_back_to_ray_resources(cluster):
+    """pp2 x tp4 over the two 4-chip hosts of a v4-16 slice: bundle 0 holds the slice's TPU-v4-16-head
+    (Ray's slice reservation unit), so it lands on the slice's worker 0; the other host shows no TPU to
+    the platform's probes, so its stage's host is taken from that node's Ray resources."""
+    units, pg, group = stages(pp=2, tp=4)
+    assert (units.resource, units.per_stage, units.slice_head) == ("TPU", 4, "TPU-v4-16-head")
+    envs = read_back(group)
+    resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+    on_head = [r for r, p in enumerate(group.placement) if "TPU-v4-16-head" in resources[p["node_id"]]]
+    assert len(on_head) == 1 and len({p["node_id"] for p in group.placement}) == 2
+    other = 1 - on_head[0]
+    assert group.placement[other]["detected"].platform == "cpu"  # what the probes saw there
+    assert [p["hardware"].describe() for p in group.placement] == ["1 TPU v4 host x 4 chips x 1 core = 4 devices"] * 2
+    for env in envs:  # each a whole 4-chip host: no other process shares its libtpu
+        assert tpu_view(env) == {**box("0,1,2,3", 8476), "ALLOW_MULTIPLE_LIBTPU_LOAD": None}
+        assert env["TPU_WORKER_HOSTNAMES"] == "localhost"  # never joins the slice's other hosts
+    assert ray.util.placement_group_table(pg)["bundles"][0].get("TPU-v4-16-head") == 1.0
