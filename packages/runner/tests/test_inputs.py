@@ -18,7 +18,13 @@ def request(i: int, n: int, start: int) -> ScheduledRequest:
 
 def test_decode_only_step_has_no_prefill_group():
     batch = ModelBatch(0, tuple(request(i, 1, 40) for i in range(5)))
-    assert BUCKETS.shape_of(batch, BLOCK) == StepShape(tokens=16, prefill_rows=0, query=1, decode_rows=8, blocks=4)
+    assert BUCKETS.shape_of(batch, BLOCK) == StepShape(tokens=8, prefill_rows=0, query=1, decode_rows=8, blocks=4)
+
+
+def test_decode_step_of_one_request_pads_nothing():
+    """One decode row: one token, one row for the LM head and the sampler (not the 16 x 8 of a prefill bucket)."""
+    batch = ModelBatch(0, (request(0, 1, 40),))
+    assert BUCKETS.shape_of(batch, BLOCK) == StepShape(tokens=1, prefill_rows=0, query=1, decode_rows=1, blocks=4)
 
 
 def test_mixed_step_pads_decode_group_to_the_largest_bucket_and_short_chunks_to_min_slots():

@@ -44,7 +44,8 @@ class Buckets:
     tokens: tuple[int, ...]
     prefill_rows: tuple[int, ...]
     query: tuple[int, ...]
-    rows: tuple[int, ...]  # decode rows
+    rows: tuple[int, ...]  # decode rows (from 1: a decode step reads every weight whatever its rows, but
+    # XLA:CPU's matmuls over 8-16 padded rows cost 2-3x one row's, and so do the LM head and sampler)
     blocks: tuple[int, ...]
 
     @classmethod
@@ -55,15 +56,18 @@ class Buckets:
             tokens=_powers_of_two(min(16, max_tokens), max_tokens),
             prefill_rows=_powers_of_two(1, max_num_seqs),
             query=_powers_of_two(1, max_tokens),
-            rows=_powers_of_two(min(8, max_num_seqs), max_num_seqs),
+            rows=_powers_of_two(1, max_num_seqs),
             blocks=_powers_of_two_and_halves(min(max(1, 64 // block_size), max_blocks), max_blocks),
         )
 
     def shape_of(self, batch: ModelBatch, block_size: int) -> StepShape:
         reqs = batch.requests
-        T = pick(self.tokens, batch.num_tokens, "tokens in the step")
         prefill = [len(r.token_ids) for r in reqs if len(r.token_ids) > 1]
         num_decode = len(reqs) - len(prefill)
+        if prefill:
+            T = pick(self.tokens, batch.num_tokens, "tokens in the step")
+        else:  # a decode step: one token per row, no padding tokens beyond the padded rows
+            T = pick(self.rows, num_decode, "decode requests in the step")
         Q = min(pick(self.query, max(prefill), "query tokens of one request"), T) if prefill else 1
         # Short chunks pad their row count up to MIN_PREFILL_SLOTS query slots: the dense block stays
         # small, and far fewer (rows, query) pairs exist to compile when timing decides the mix.
@@ -85,7 +89,7 @@ class Buckets:
     def count(self) -> int:
         """An upper bound on the distinct step shapes."""
         groups = (len(self.prefill_rows) + 1) * len(self.query) * (len(self.rows) + 1)
-        return len(self.tokens) * groups * len(self.blocks)
+        return (len(self.tokens) * groups + len(self.rows)) * len(self.blocks)
 
 
 def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> StepInputs:
