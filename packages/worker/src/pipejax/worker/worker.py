@@ -149,7 +149,7 @@ class StageWorker:
         """Bytes one KV block (all the stage's layers, K and V) takes on each of the stage's devices."""
         return kv_bytes_per_block(self.model_config, self.stage, self.config.tp_size, self.config.cache.block_size)
 
-    def warmup_batches(self, max_shapes: int = 12) -> list[ModelBatch]:
+    def warmup_batches(self, max_shapes: int = 16) -> list[ModelBatch]:
         """Dummy batches covering the common buckets: decode at every row bucket, prefill at every token bucket."""
         runner = self._require_runner()
         buckets, bs = runner.buckets, runner.block_size
