@@ -1,7 +1,7 @@
 """Decode-step time of the runner on the benchmark model, next to this machine's floor.
 
-floor = max(FLOPs / measured matmul rate, weight bytes / measured memory bandwidth), the rates
-measured by JAX in the same repeat as the steps (so both see the same load). One decode step:
+floor = max(FLOPs / measured matmul rate, (weight bytes + K/V bytes the step reads) / measured resident
+memory bandwidth), the rates measured in the same repeat as the steps (so both see the same load). One decode step:
 ``StageRunner.execute`` of ``batch`` requests with 128 tokens already cached (sampling at
 temperature 1 included, until the tokens are on the host), pp=1 tp=1 on one CPU device.
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for b in batches:
             step_s = statistics.median(timed(lambda b=b: bench.step(b), steps))
             flops, weights = step_cost(cfg, b)
-            compute, memory = flops / rates["flops"], weights / rates["bandwidth"]
+            compute, memory = flops / rates["flops"], (weights + kv_bytes(cfg, b, CONTEXT + 1)) / rates["bandwidth"]
             per_repeat[b].append({"step_ms": step_s * 1e3, "floor_ms": max(compute, memory) * 1e3,
                                   "compute_ms": compute * 1e3, "memory_ms": memory * 1e3})
     decode = {}
@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "context": CONTEXT,
         "matmul_gflops": summary([r["flops"] / 1e9 for r in rates_all]),
         "memory_gbps": summary([r["bandwidth"] / 1e9 for r in rates_all]),
+        "numpy_copy_gbps": summary([r["numpy_bandwidth"] / 1e9 for r in rates_all]),
+        "memory_vs_numpy": summary([r["bandwidth"] / r["numpy_bandwidth"] for r in rates_all]),
         "decode": decode,
         "parts_ms": parts,
         "dense_matmuls_ms": dense_ms,
