@@ -1,10 +1,10 @@
 """Offline output tokens/s of pipejax next to transformers' batched ``generate`` on the same checkpoint.
 
 ``c`` concurrent requests x 128 prompt tokens x 64 output tokens (random ids, ignore_eos, sampling at
-temperature 1 on both sides), for c in 1, 4, 16, 64; c = 64 is the headline figure. pipejax runs
-pp=1 tp=1 in-process (one engine for every c, compiled by an untimed run of each c); transformers
-runs one ``generate`` over all c prompts (fp32, CPU, its default threads). The two alternate run by
-run, so both see the same machine load; the ratio is taken per repeat. The headline run's step
+temperature 1 on both sides), for c in 1, 2, 4, 8, 16, 32, 64 (--quick: 1, 16, 64); c = 64 is the
+headline figure. pipejax runs pp=1 tp=1 in-process (one engine for every c, compiled by an untimed run
+of each c); transformers runs one ``generate`` over all c prompts (fp32, CPU, its default threads).
+The two alternate run by run, so both see the same machine load; the ratio is taken per repeat. The headline run's step
 trace splits pipejax's time into prefill steps, decode steps and the engine around them.
 """
 
@@ -167,7 +167,7 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from pipejax.ray_executor.llm import LLM
 
-    levels = (1, 16, NUM_PROMPTS) if args.quick else (1, 4, 16, NUM_PROMPTS)
+    levels = (1, 16, NUM_PROMPTS) if args.quick else (1, 2, 4, 8, 16, 32, NUM_PROMPTS)
     path = bench_model()
     start = time.perf_counter()
     llm = LLM(path, warmup=False, **engine_kwargs())
