@@ -147,7 +147,7 @@ def test_activations_never_pass_through_the_driver(expected, monkeypatch):
         stop_cluster(cluster)
     hidden = 256 * 4  # built-in model: hidden 256, float32
     steps = len(sent)
-    assert activation_bytes[0] >= steps * 16 * hidden  # at least one 16-token bucket per step
+    assert activation_bytes[0] >= steps * hidden  # at least one token's hidden state per step
     assert activation_bytes[-1] == 0  # the last stage sends nothing
     assert sum(sent) + sum(received) < activation_bytes[0] / 4
     assert max(received) < 16 * hidden  # no result is as large as even the smallest activation
