@@ -5,7 +5,7 @@ import pytest
 
 from pipejax.ray_executor import LLM, SamplingParams
 from pipejax.ray_executor.engine.request import Request
-from pipejax.ray_executor.llm import resolve_model
+from pipejax.ray_executor.engine_args import resolve_model
 
 
 @pytest.fixture(scope="module")

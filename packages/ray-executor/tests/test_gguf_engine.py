@@ -13,7 +13,7 @@ from test_ray_executor import start_cluster, stop_cluster
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pipejax.ray_executor import LLM, SamplingParams
-from pipejax.ray_executor.llm import resolve_model
+from pipejax.ray_executor.engine_args import resolve_model
 from pipejax.runner import default_model
 
 TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
@@ -46,7 +46,7 @@ def _greedy(llm: LLM, model) -> tuple[list[list[int]], list[list[int]]]:
 def test_default_model_in_process_pp2_tp3(expected):
     llm = LLM(None, pipeline_parallel_size=2, tensor_parallel_size=3, num_kv_blocks=64, warmup=False)
     try:
-        assert llm.engine.config.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert llm.engine.config.model.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
         ours, theirs = _greedy(llm, expected)
         assert ours == theirs
         assert "Paris" in llm.engine.tokenizer.decode(ours[0])

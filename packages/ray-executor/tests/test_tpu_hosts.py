@@ -27,7 +27,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from pipejax.pp_utils import ParallelConfig
-from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.config import EngineConfig, ModelSource
 from pipejax.ray_executor.executor.ray_placement import create_placement_group, launch_stages, stage_units
 from pipejax.ray_executor.platforms import current_platform, reset_current_platform
 from pipejax.ray_executor.serving.addresses import DPAddresses
@@ -112,11 +112,11 @@ def test_pp4_tp4_over_two_v5e_8_hosts_with_a_cpu_only_head(cluster):
 def test_dp2_pp1_tp4_on_one_v5e_8_host_with_ray_engines(cluster):
     parallel = ParallelConfig(1, 4, 2, distributed_executor_backend="ray")
     addresses = DPAddresses.create(None, None, 1)
-    engines = RayEngines(EngineConfig("unused", parallel), dp_size=2, dp_local=2, addresses=addresses)
+    engines = RayEngines(EngineConfig(ModelSource("unused"), parallel), dp_size=2, dp_local=2, addresses=addresses)
     try:
         engines.place()  # what `pipejax serve -dp 2 -dpl 2 -dpb ray` reserves
         platform = current_platform()
-        # each engine core's RayExecutor launches its stages in its own group (config.placement_group)
+        # each engine core's RayExecutor launches its stages in its own group (its placement_group argument)
         groups = [launch_stages(platform, pg, 1, 4, engines.units, TIMEOUT_S) for pg in engines.groups]
         envs = [read_back(g)[0] for g in groups]
     finally:
@@ -131,8 +131,8 @@ def test_dp2_pp1_tp4_on_one_v5e_8_host_with_engine_processes(monkeypatch):
     for key, value in V5E_8_ENV.items():
         monkeypatch.setenv(key, value)
     reset_current_platform()
-    engines = ProcessEngines(EngineConfig("unused", ParallelConfig(1, 4, 2, distributed_executor_backend="uni")),
-                             range(2), DPAddresses.create(None, None, 1), warmup=False)
+    config = EngineConfig(ModelSource("unused"), ParallelConfig(1, 4, 2, distributed_executor_backend="uni"))
+    engines = ProcessEngines(config, range(2), DPAddresses.create(None, None, 1), warmup=False)
     try:
         assert current_platform().is_tpu()
         before = dict(os.environ)

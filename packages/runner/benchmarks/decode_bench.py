@@ -76,13 +76,14 @@ def decode_times(path: str, batches: list[int], repeats: int) -> dict[int, tuple
 
     from pipejax.pp_utils import stage_mesh
     from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-    from pipejax.runner.config import CacheConfig, StageConfig
+    from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
     from pipejax.runner.runner import StageRunner
 
     block = 16
     per_request = (CONTEXT + 64) // block + 1
-    cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request, max_num_seqs=max(batches))
-    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache)
+    cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request)
+    limits = SchedulerConfig(max_num_seqs=max(batches))
+    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits)
     greedy = SamplingParams(temperature=0)
     step_ids = iter(range(10**9))
 

@@ -8,7 +8,7 @@ from hf_oracle import make_hf_checkpoint, prefill_batch
 
 from pipejax.pp_utils import stage_mesh
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig
 from pipejax.runner.runner import StageRunner
 
 
@@ -16,8 +16,8 @@ from pipejax.runner.runner import StageRunner
 def runner(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     make_hf_checkpoint(path, "LlamaForCausalLM", max_position_embeddings=64)
-    cache = CacheConfig(num_blocks=None, max_num_seqs=4, max_num_batched_tokens=64)
-    return StageRunner(path, stage_mesh(jax.devices()[:1]), cache=cache)
+    limits = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    return StageRunner(path, stage_mesh(jax.devices()[:1]), cache=CacheConfig(num_blocks=None), scheduler=limits)
 
 
 def test_cache_is_allocated_after_the_weights_and_blocks_copy_whole(runner):

@@ -6,14 +6,16 @@ import numpy as np
 from hf_oracle import make_hf_checkpoint, prefill_batch
 
 from pipejax.pp_utils import stage_mesh
-from pipejax.runner.config import CacheConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig
 from pipejax.runner.runner import StageRunner
 
 
 def test_phases_equal_execute(tmp_path):
     make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
-    cache = CacheConfig(num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
-    whole, parts = (StageRunner(tmp_path, stage_mesh(jax.devices()[:1]), cache=cache) for _ in range(2))
+    cache, limits = CacheConfig(num_blocks=32), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    whole, parts = (
+        StageRunner(tmp_path, stage_mesh(jax.devices()[:1]), cache=cache, scheduler=limits) for _ in range(2)
+    )
     batch = prefill_batch([[1, 5, 9, 2], [7, 3]], blocks_per_request=4)
 
     expected = whole.execute(batch)

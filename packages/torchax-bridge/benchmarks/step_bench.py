@@ -25,7 +25,7 @@ import jax  # noqa: E402
 from pipejax.pp_utils import stage_mesh  # noqa: E402
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest  # noqa: E402
 from pipejax.runner.builtin_model import ensure_builtin_model  # noqa: E402
-from pipejax.runner.config import CacheConfig, StageConfig  # noqa: E402
+from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig  # noqa: E402
 from pipejax.runner.runner import StageRunner  # noqa: E402
 
 IMPLS = ("jax", "torchax")
@@ -54,18 +54,15 @@ def main() -> None:
 
     path = ensure_builtin_model("bench")
     blocks = math.ceil((args.context + 1) / BLOCK_SIZE)
-    cache = CacheConfig(
-        block_size=BLOCK_SIZE,
-        num_blocks=1 + max(batches) * blocks,
-        max_model_len=args.context + 1,
-        max_num_seqs=max(batches),
-        max_num_batched_tokens=max(batches),
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + max(batches) * blocks)
+    limits = SchedulerConfig(
+        max_model_len=args.context + 1, max_num_seqs=max(batches), max_num_batched_tokens=max(batches)
     )
     mesh = stage_mesh(jax.devices()[:1])
     runners = {}
     for impl in IMPLS:
         start = time.perf_counter()
-        runners[impl] = StageRunner(path, mesh, StageConfig(), cache, model_impl=impl)
+        runners[impl] = StageRunner(path, mesh, StageConfig(), cache, model_impl=impl, scheduler=limits)
         print(f"{impl}: loaded in {time.perf_counter() - start:.1f} s")
 
     rows = []

@@ -11,7 +11,7 @@ from pipejax_test_support import make_hf_checkpoint as shared_checkpoint
 
 from pipejax.pp_utils import InProcessTransport, stage_meshes
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig, StageConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 
 __all__ = ["GREEDY", "PROMPTS", "ChainedStages", "greedy_generate", "hf_greedy", "make_hf_checkpoint", "prefill_batch"]
@@ -30,9 +30,11 @@ class ChainedStages:
 
     def __init__(self, path, pp: int, tp: int, model_impl: str, num_blocks: int = 64, block_size: int = 8):
         meshes = stage_meshes(jax.devices(), pp, tp)
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=64)
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        limits = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
         self.stages = [
-            StageRunner(path, mesh, StageConfig(i, pp), cache, model_impl=model_impl) for i, mesh in enumerate(meshes)
+            StageRunner(path, mesh, StageConfig(i, pp), cache, model_impl=model_impl, scheduler=limits)
+            for i, mesh in enumerate(meshes)
         ]
         self.links = [InProcessTransport(f"stage {i}") for i in range(pp - 1)]
 

@@ -14,8 +14,8 @@ SCRIPT = r"""
 import sys
 from pipejax.runner.config import StageConfig
 from pipejax.worker import StageWorker, WorkerConfig
-from worker_oracle import CACHE
-worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE,
+from worker_oracle import CACHE, LIMITS
+worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
 worker.load(CACHE.num_blocks)
 worker.warmup(worker.warmup_batches(max_shapes=3), progress=False)

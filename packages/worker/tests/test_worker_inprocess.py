@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
-from worker_oracle import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_decode
+from worker_oracle import CACHE, LIMITS, MAX_NEW_TOKENS, PROMPTS, greedy_decode
 
 import pipejax.worker.worker as worker_module
 from pipejax.pp_utils import InProcessTransport
@@ -21,10 +21,11 @@ from pipejax.worker import StageInfo, StageWorker, WorkerConfig
 pytestmark = pytest.mark.timeout(120)
 
 
-def make_pipeline(path, cache=CACHE) -> list[StageWorker]:
+def make_pipeline(path, cache=CACHE, limits=LIMITS) -> list[StageWorker]:
     devices = jax.devices()
     link = InProcessTransport("stage 0")
-    configs = [WorkerConfig(str(path), StageConfig(i, 2), tp_size=2, cache=cache, step_trace_len=64) for i in range(2)]
+    configs = [WorkerConfig(str(path), StageConfig(i, 2), tp_size=2, cache=cache, scheduler=limits, step_trace_len=64)
+               for i in range(2)]
     return [
         StageWorker(configs[0], devices[0:2], send=link),
         StageWorker(configs[1], devices[2:4], recv=link),
@@ -45,7 +46,7 @@ def test_available_kv_blocks_explicit(checkpoint):
 
 def test_available_kv_blocks_from_memory_fraction(checkpoint):
     cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.5)
-    useful = 1 + cache.max_num_seqs * math.ceil(cache.max_model_len / cache.block_size)
+    useful = 1 + LIMITS.max_num_seqs * math.ceil(LIMITS.max_model_len / cache.block_size)
     for w in make_pipeline(checkpoint[0], cache):
         n = w.available_kv_blocks()
         # A tiny model in host RAM: capped at what max_num_seqs x max_model_len can ever use.
@@ -54,8 +55,8 @@ def test_available_kv_blocks_from_memory_fraction(checkpoint):
 
 def test_available_kv_blocks_follows_free_memory(checkpoint, monkeypatch):
     """On CPU the devices share host RAM: each gets available / local devices, times the fraction."""
-    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25, max_num_seqs=10_000)
-    w = make_pipeline(checkpoint[0], cache)[1]
+    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25)
+    w = make_pipeline(checkpoint[0], cache, dataclasses.replace(LIMITS, max_num_seqs=10_000))[1]
     per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
     free = 100 * per_block * len(jax.local_devices())  # 100 blocks' worth per device
     monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
@@ -67,8 +68,8 @@ def test_available_kv_blocks_follows_free_memory(checkpoint, monkeypatch):
 def test_stages_on_one_host_share_its_memory(checkpoint, monkeypatch):
     """A stage in its own process (a Ray actor) shares the host's RAM with the other stages there: with
     more stages x TP devices on the host than this process's devices, each gets a proportional share."""
-    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25, max_num_seqs=10_000)
-    w = make_pipeline(checkpoint[0], cache)[1]  # tp=2
+    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25)
+    w = make_pipeline(checkpoint[0], cache, dataclasses.replace(LIMITS, max_num_seqs=10_000))[1]  # tp=2
     per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
     free = 100 * per_block * len(jax.local_devices())
     monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))

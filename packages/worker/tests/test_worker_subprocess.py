@@ -10,7 +10,7 @@ import sys
 
 import jax
 import pytest
-from worker_oracle import CACHE, MAX_NEW_TOKENS, PROMPTS, greedy_decode
+from worker_oracle import CACHE, LIMITS, MAX_NEW_TOKENS, PROMPTS, greedy_decode
 
 from pipejax.pp_utils import TransferServerTransport
 from pipejax.runner.batch import ModelBatch
@@ -104,11 +104,13 @@ def test_last_stage_in_another_process_equals_transformers(checkpoint, hf_expect
     # fewer bulk sockets than its sender aborts inside JAX's transfer server (socket_bulk_transport
     # "Check failed: bind ... Bad file descriptor"), so both ends use 2.
     first = StageWorker(
-        WorkerConfig(path, StageConfig(0, 2), tp_size=2, cache=CACHE),
+        WorkerConfig(path, StageConfig(0, 2), tp_size=2, cache=CACHE, scheduler=LIMITS),
         jax.devices()[0:2],
         send=TransferServerTransport("127.0.0.1", bulk_connections=2),
     )
-    last_config = WorkerConfig(path, StageConfig(1, 2), tp_size=2, cache=CACHE, receive_timeout_s=60, step_trace_len=64)
+    last_config = WorkerConfig(
+        path, StageConfig(1, 2), tp_size=2, cache=CACHE, scheduler=LIMITS, receive_timeout_s=60, step_trace_len=64
+    )
     last = StageProcess(last_config, first.send.address, tmp_path / "stage1.stderr")
     try:
         assert last.info.pp_rank == 1 and last.info.layers == (2, 4)

@@ -9,7 +9,7 @@ import transformers
 from pipejax_test_support import hf_greedy, make_hf_checkpoint
 
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig
 
 __all__ = ["CACHE", "GREEDY", "MAX_NEW_TOKENS", "PROMPTS", "greedy_decode", "hf_greedy", "make_llama_checkpoint"]
 
@@ -21,13 +21,8 @@ MAX_MODEL_LEN = 64
 BLOCKS_PER_REQUEST = MAX_MODEL_LEN // BLOCK_SIZE
 # Block 0 is the padding block; every prompt gets its own BLOCKS_PER_REQUEST blocks after it.
 NUM_BLOCKS = 1 + len(PROMPTS) * BLOCKS_PER_REQUEST
-CACHE = CacheConfig(
-    block_size=BLOCK_SIZE,
-    num_blocks=NUM_BLOCKS,
-    max_model_len=MAX_MODEL_LEN,
-    max_num_seqs=len(PROMPTS),
-    max_num_batched_tokens=32,
-)
+CACHE = CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
+LIMITS = SchedulerConfig(max_num_seqs=len(PROMPTS), max_num_batched_tokens=32, max_model_len=MAX_MODEL_LEN)
 GREEDY = SamplingParams(temperature=0.0)
 
 

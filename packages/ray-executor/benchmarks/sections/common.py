@@ -42,7 +42,7 @@ def prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]
 
 def bench_model() -> str:
     """The 124M-parameter fp32 benchmark checkpoint (generated on first use)."""
-    from pipejax.ray_executor.llm import resolve_model
+    from pipejax.ray_executor.engine_args import resolve_model
 
     return resolve_model("builtin:bench")
 
@@ -51,8 +51,10 @@ def engine_buckets(llm):
     """The padding buckets the engine's stages run at, from its config (``pipejax.runner.inputs.Buckets``)."""
     from pipejax.runner.inputs import Buckets
 
-    cache = llm.engine.config.cache
-    return Buckets.make(cache.max_num_batched_tokens, cache.max_num_seqs, llm.engine.max_model_len, cache.block_size)
+    config = llm.engine.config
+    limits = config.scheduler
+    return Buckets.make(limits.max_num_batched_tokens, limits.max_num_seqs, llm.engine.max_model_len,
+                        config.cache.block_size)
 
 
 def stage_pids(llm) -> list[int]:

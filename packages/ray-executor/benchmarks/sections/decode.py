@@ -47,14 +47,14 @@ class DecodeBench:
         import jax
 
         from pipejax.pp_utils import stage_mesh
-        from pipejax.runner.config import CacheConfig, StageConfig
+        from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
         from pipejax.runner.runner import StageRunner
 
         self.block = 16
         self.per_request = math.ceil((CONTEXT + 64) / self.block)
-        cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request,
-                            max_model_len=256, max_num_seqs=max(batches), max_num_batched_tokens=max(batches))
-        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache)
+        cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request)
+        limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches), max_num_batched_tokens=max(batches))
+        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 

@@ -68,7 +68,7 @@ def decode_steps(llm, recorder: BatchRecorder, batch_prompts, output_len: int) -
 
 def stage_ms(llm, step_ids: set[int]) -> float | None:
     """Median of the stage's own time for ``step_ids`` (None where the trace is out of reach)."""
-    if llm.engine.config.ray_compiled_graph:  # actors inside a compiled graph take no other calls
+    if llm.engine.config.ray.compiled_graph:  # actors inside a compiled graph take no other calls
         return None
     return summary([(e - s) * 1e3 for _, sid, s, e in llm.engine.executor.step_trace() if sid in step_ids])["median"]
 

@@ -30,7 +30,7 @@ def probe(path: str, rank: int, size: int) -> None:
 
     from pipejax.pp_utils import IntermediateTensors
     from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-    from pipejax.runner.config import CacheConfig, StageConfig
+    from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
     from pipejax.worker import StageWorker, WorkerConfig
 
     def peak() -> int:
@@ -41,9 +41,9 @@ def probe(path: str, rank: int, size: int) -> None:
 
     jax.device_put(jax.numpy.zeros(1)).block_until_ready()
     base = peak()
-    cache = CacheConfig(block_size=16, num_blocks=KV_BLOCKS, max_model_len=256, max_num_seqs=4,
-                        max_num_batched_tokens=256)
-    worker = StageWorker(WorkerConfig(path, StageConfig(rank, size), tp_size=1, cache=cache))
+    cache = CacheConfig(block_size=16, num_blocks=KV_BLOCKS)
+    limits = SchedulerConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)
+    worker = StageWorker(WorkerConfig(path, StageConfig(rank, size), tp_size=1, cache=cache, scheduler=limits))
     worker.load(KV_BLOCKS)
     jax.block_until_ready((worker.runner.params, worker.runner.kv_cache))
     loaded = peak()

@@ -63,7 +63,7 @@ def run_throughput(args: argparse.Namespace, make_llm) -> int:
         "layout": layout, "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "seconds": times,
     }
-    model_path = llm.engine.config.model
+    model_path = llm.engine.config.model.path
     llm.shutdown()
     if not args.no_hf:
         hf_elapsed = _hf_run(model_path, prompts, args.output_len, args.hf_batch_size)

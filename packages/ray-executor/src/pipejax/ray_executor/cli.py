@@ -30,6 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="with no --num-kv-blocks: the fraction of free device memory (host RAM on CPU) for KV blocks")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -93,7 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                    for p, c in zip(prompts, chats, strict=True)]
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()
-    print(f"model: {llm.engine.config.model}")
+    print(f"model: {llm.engine.config.model.path}")
     for info in llm.engine.executor.stage_infos():
         layers = f"layers {info.layers[0]}-{info.layers[1] - 1}"
         print(f"  stage {info.pp_rank}: {layers} on {', '.join(info.devices)} (host {info.host}, pid {info.pid})")

@@ -1,39 +1,54 @@
-"""The engine's frozen config: the model, plus one config per concern (layout, cache/batching)."""
+"""The engine's frozen config, one section per concern: which model, the layout, the KV cache, the
+batching limits, and how the Ray executor runs. It holds no live handle: a placement group the caller
+already created goes to the engine (and its executor) as an argument."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipejax.pp_utils import ParallelConfig
-from pipejax.runner.config import CacheConfig, StageConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
 
 if TYPE_CHECKING:
     from pipejax.worker import WorkerConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Which model to serve and how to load it (its architecture comes from the checkpoint)."""
+
+    path: str  # a folder holding a Hugging Face checkpoint, or a GGUF file (resolved from None by the caller)
+    dtype: str | None = None  # None: the checkpoint's
+    seed: int = 0
+    impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """The Ray executor's settings (the other executors ignore them)."""
+
+    address: str | None = None  # the cluster's address; None: RAY_ADDRESS, else a local cluster
+    placement_timeout_s: float = 120.0  # how long to wait for the placement group to be placed
+    compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)
+    # On the CPU backend: confine each stage actor to its own equal share of its node's cores, so stages
+    # on one host do not share cores (as stages on their own chips would not).
+    pin_stage_cpus: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a folder holding a Hugging Face checkpoint (resolved from None by the caller)
+    model: ModelSource
     parallel: ParallelConfig = ParallelConfig()
     cache: CacheConfig = CacheConfig()
-    dtype: str | None = None
-    seed: int = 0
-    model_impl: str = "jax"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    ray: RayConfig = RayConfig()
+    # The engine loop's own settings:
     max_batches_in_flight: int | None = None  # None: one per pipeline stage (1 turns pipelining off)
     step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang
     # Keep the timings of the last N steps (the engine's batches in flight, each stage's step start/end;
     # ``executor.step_trace()``) for tests and profiling. 0: trace nothing (serving).
     step_trace_len: int = 0
-    # Ray executor: cluster address (None: RAY_ADDRESS, else a local cluster), a placement group the
-    # caller already created (e.g. Ray Serve), and how long to wait for one to be placed.
-    ray_address: str | None = None
-    placement_group: Any = None
-    placement_timeout_s: float = 120.0
-    ray_compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)
-    # Ray executor on the CPU backend: confine each stage actor to its own equal share of its node's
-    # cores, so stages on one host do not share cores (as stages on their own chips would not).
-    pin_stage_cpus: bool = False
 
     def worker_config(self, pp_rank: int) -> WorkerConfig:
         """What the stage worker of ``pp_rank`` gets (the same for every executor)."""
@@ -41,12 +56,13 @@ class EngineConfig:
 
         par = self.parallel
         return WorkerConfig(
-            model=self.model,
+            model=self.model.path,
             stage=StageConfig(pp_rank, par.pipeline_parallel_size, par.pp_layer_partition),
             tp_size=par.tensor_parallel_size,
             cache=self.cache,
-            dtype=self.dtype,
-            seed=self.seed,
-            model_impl=self.model_impl,
+            scheduler=self.scheduler,
+            dtype=self.model.dtype,
+            seed=self.model.seed,
+            model_impl=self.model.impl,
             step_trace_len=self.step_trace_len,
         )

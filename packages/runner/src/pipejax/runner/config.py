@@ -1,5 +1,5 @@
 """Frozen configs of the runner: the model (converted from Hugging Face at the edge), the stage,
-and the KV cache / batching limits."""
+the KV cache, and the batching limits."""
 
 from __future__ import annotations
 
@@ -156,14 +156,11 @@ class StageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache and batching limits of one stage (the same on every stage)."""
+    """Paged KV cache of one stage (the same on every stage)."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: size from memory_fraction
     memory_fraction: float = 0.5  # of the memory JAX reports free per device, or of host RAM on CPU
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -172,8 +169,27 @@ class CacheConfig:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is reserved for padding)")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits: the engine's scheduler keeps every batch within them, and each stage's runner
+    sizes its padding buckets (and its KV cache's useful size) by them."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (``for_model`` resolves it)
+
+    def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs={self.max_num_seqs} and max_num_batched_tokens={self.max_num_batched_tokens} "
                 "must be >= 1"
             )
+
+    def for_model(self, model: ModelConfig) -> SchedulerConfig:
+        """These limits with ``max_model_len`` resolved against ``model`` (never past its
+        ``max_position_embeddings``). The engine resolves it once and hands it down; a worker or runner
+        used on its own resolves what it is given (a no-op for a resolved config)."""
+        limit = model.max_position_embeddings
+        return dataclasses.replace(self, max_model_len=min(self.max_model_len or limit, limit))

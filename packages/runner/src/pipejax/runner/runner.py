@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import get_model_impl
@@ -44,19 +44,19 @@ class StageRunner:
         model_config: ModelConfig | None = None,
         seed: int = 0,
         model_impl: str = "jax",
+        scheduler: SchedulerConfig = SchedulerConfig(),
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
         self.stage = stage
         self.cfg = model_config or ModelConfig.from_pretrained(model_path)
         self.tp = mesh.shape["tp"]
-        self.max_model_len = min(
-            cache.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings
-        )
+        self.limits = scheduler.for_model(self.cfg)
+        self.max_model_len = self.limits.max_model_len
         self.cache_config = cache
         self.block_size = cache.block_size
         self.buckets = Buckets.make(
-            cache.max_num_batched_tokens, cache.max_num_seqs, self.max_model_len, self.block_size
+            self.limits.max_num_batched_tokens, self.limits.max_num_seqs, self.max_model_len, self.block_size
         )
         self.seed = seed
         self.impl = get_model_impl(model_impl)

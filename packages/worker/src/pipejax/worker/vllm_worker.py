@@ -35,7 +35,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunne
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from pipejax.runner.batch import SamplerOutput
-from pipejax.runner.config import CacheConfig, StageConfig
+from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
 from pipejax.runner.model import kv_heads_for_tp
 from pipejax.worker.vllm_requests import RequestStates, UnsupportedFeatureError
 from pipejax.worker.worker import StageWorker, WorkerConfig
@@ -192,17 +192,17 @@ class VllmStageWorker(WorkerBase):
 
     def _worker_config(self, stage: StageConfig) -> WorkerConfig:
         sched, mc = self.scheduler_config, self.model_config
-        cache = CacheConfig(
-            block_size=self.cache_config.block_size,
-            max_model_len=mc.max_model_len,
+        limits = SchedulerConfig(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=mc.max_model_len,
         )
         return WorkerConfig(
             model=mc.model,
             stage=stage,
             tp_size=self.options["tensor_parallel_size"],
-            cache=cache,
+            cache=CacheConfig(block_size=self.cache_config.block_size),
+            scheduler=limits,
             dtype=str(mc.dtype).removeprefix("torch."),
             seed=mc.seed or 0,
         )

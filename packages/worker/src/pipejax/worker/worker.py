@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, stage_mesh
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner, kv_bytes_per_block
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class WorkerConfig:
     stage: StageConfig
     tp_size: int
     cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()  # batching limits (the engine resolves max_model_len)
     dtype: str | None = None
     seed: int = 0
     model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
@@ -103,6 +104,7 @@ class StageWorker:
         self.mesh = stage_mesh(devices)
         self.recv, self.send = recv, send
         self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        self.limits = config.scheduler.for_model(self.model_config)
         self.runner: StageRunner | None = None
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
         self.trace: deque[tuple[int, int, float, float]] = deque(maxlen=config.step_trace_len)
@@ -127,9 +129,7 @@ class StageWorker:
             sharers = max(len(jax.local_devices()), stages_on_host * len(self.devices))
             free = psutil.virtual_memory().available / sharers
         per_block = self.kv_bytes_per_block()
-        max_len = min(cache.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
-        useful = 1 + cache.max_num_seqs * math.ceil(max_len / cache.block_size)
+        useful = 1 + self.limits.max_num_seqs * math.ceil(self.limits.max_model_len / cache.block_size)
         return max(2, min(useful, int(free * cache.memory_fraction // per_block)))
 
     def load(self, num_blocks: int | None) -> None:
@@ -138,7 +138,8 @@ class StageWorker:
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
         start = time.perf_counter()
         self.runner = StageRunner(
-            self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed, self.config.model_impl
+            self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed,
+            self.config.model_impl, scheduler=self.limits,
         )
         log.info("stage %d loaded in %.1fs (%s KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
 

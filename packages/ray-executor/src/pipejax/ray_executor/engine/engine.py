@@ -19,9 +19,9 @@ from pipejax.pp_utils import ParallelConfig
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestDelta, RequestOutput
-from pipejax.ray_executor.engine.scheduler import Scheduler, SchedulerConfig
+from pipejax.ray_executor.engine.scheduler import Scheduler
 from pipejax.ray_executor.executor.base import Executor
-from pipejax.ray_executor.executor.factory import executor_class
+from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
 from pipejax.runner.config import ModelConfig
@@ -51,23 +51,25 @@ class EngineDeadError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None):
-        config = dataclasses.replace(config, parallel=checked_layout(config.parallel))
-        self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
-        self.tokenizer = Tokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
-        self.executor = executor or executor_class(config.parallel.distributed_executor_backend)(config)
-        cache = config.cache
-        blocks = BlockManager(self.executor.num_kv_blocks, self.executor.block_size)
-        max_len = min(
-            cache.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            blocks.capacity_tokens,
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, placement_group=None):
+        """``placement_group``: one the caller already created (e.g. Ray Serve, the DP launcher) for the
+        Ray executor's stages; None lets the executor create (and remove) its own."""
+        self.model_config = ModelConfig.from_pretrained(config.model.path, dtype=config.model.dtype)
+        requested_len = config.scheduler.max_model_len
+        # max_model_len is resolved here, once, against the model; the stages get it resolved.
+        config = dataclasses.replace(
+            config, parallel=checked_layout(config.parallel), scheduler=config.scheduler.for_model(self.model_config)
         )
-        if max_len < (cache.max_model_len or 0):
+        self.config = config
+        path = config.model.path
+        self.tokenizer = Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
+        self.executor = executor or create_executor(config, placement_group)
+        blocks = BlockManager(self.executor.num_kv_blocks, self.executor.block_size)
+        max_len = min(config.scheduler.max_model_len, blocks.capacity_tokens)  # the scheduler's limit
+        if max_len < (requested_len or 0):
             log.warning("KV cache holds only %d tokens: max_model_len lowered to that", max_len)
         self.max_model_len = max_len
-        self.scheduler = Scheduler(SchedulerConfig(cache.max_num_seqs, cache.max_num_batched_tokens, max_len), blocks)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=max_len), blocks)
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
@@ -186,7 +188,9 @@ class LLMEngine:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{self.config.model} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}")
+                raise ValueError(
+                    f"{self.config.model.path} has no tokenizer.json; pass {{'prompt_token_ids': [...]}}"
+                )
             return prompt, self.tokenizer.encode(prompt) if prompt else []
         return None, [int(t) for t in prompt]
 

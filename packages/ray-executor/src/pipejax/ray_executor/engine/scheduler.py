@@ -10,7 +10,6 @@ flight; ``update()`` applies a batch's sampled tokens once it comes back.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections import deque
@@ -18,15 +17,9 @@ from collections import deque
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestStatus
 from pipejax.runner.batch import ModelBatch, SamplerOutput, ScheduledRequest
+from pipejax.runner.config import SchedulerConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
 
 
 class Scheduler:

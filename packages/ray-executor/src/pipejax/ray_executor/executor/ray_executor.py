@@ -36,18 +36,19 @@ class StageFailedError(RuntimeError):
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement_group: Any = None):
+        """``placement_group``: pp bundles the caller already created (kept at shutdown); None: create one."""
         self.config = config
-        par = config.parallel
+        par, settings = config.parallel, config.ray
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         platform = current_platform()
-        self._started_ray = connect(config.ray_address, platform, pp * tp)
+        self._started_ray = connect(settings.address, platform, pp * tp)
         self.units = stage_units(platform, pp, tp)
-        self._own_pg = config.placement_group is None
-        self.pg = config.placement_group or create_placement_group(pp, self.units, config.placement_timeout_s)
+        self._own_pg = placement_group is None
+        self.pg = placement_group or create_placement_group(pp, self.units, settings.placement_timeout_s)
         timeout = config.step_timeout_s
         stages = launch_stages(platform, self.pg, pp, tp, self.units, timeout,
-                               cpus_for=self._stage_cpus if config.pin_stage_cpus else None)
+                               cpus_for=self._stage_cpus if settings.pin_stage_cpus else None)
         self.actors, self.placement = stages.actors, stages.placement
         addresses = ray.get(
             [
@@ -93,7 +94,7 @@ class RayExecutor(Executor):
     # --- Executor ----------------------------------------------------------------------------
 
     def execute_model(self, batch: ModelBatch) -> Future[SamplerOutput]:
-        if self.config.ray_compiled_graph:
+        if self.config.ray.compiled_graph:
             if self.pipeline is None:
                 self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s,
                                                  describe_error=self._compiled_step_error)

@@ -47,8 +47,10 @@ SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last ou
 
 class EngineCore:
     def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
-                 node_id: str = ""):
+                 node_id: str = "", placement_group=None):
+        """``placement_group``: the DP rank's group its stage actors go in (backend ``ray``)."""
         self.config = config
+        self.placement_group = placement_group
         self.index = index
         self.addresses = addresses
         self.warmup = warmup
@@ -98,7 +100,7 @@ class EngineCore:
     def build_engine(self):
         from pipejax.ray_executor.engine.engine import LLMEngine
 
-        engine = LLMEngine(self.config)
+        engine = LLMEngine(self.config, placement_group=self.placement_group)
         if self.warmup:
             engine.executor.warmup()
         return engine
@@ -233,12 +235,13 @@ class EngineCore:
 class EngineCoreActor:
     """The Ray actor body of one DP rank; ``stop`` runs in its own concurrency group while ``run`` loops."""
 
-    def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True):
+    def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
+                 placement_group=None):
         import ray
 
         logging.basicConfig(level=logging.INFO)
         node_id = ray.get_runtime_context().get_node_id()
-        self.core = EngineCore(config, index, addresses, warmup, node_id=node_id)
+        self.core = EngineCore(config, index, addresses, warmup, node_id=node_id, placement_group=placement_group)
 
     def run(self) -> str:
         return self.core.run()

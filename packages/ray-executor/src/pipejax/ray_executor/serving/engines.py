@@ -18,7 +18,6 @@ Backend ``mp``: each local engine process starts with the environment the platfo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -83,7 +82,7 @@ class RayEngines:
 
         par = self.config.parallel
         platform = current_platform()
-        self._started_ray = connect(self.config.ray_address, platform, self.dp_size * par.world_size)
+        self._started_ray = connect(self.config.ray.address, platform, self.dp_size * par.world_size)
         self.units = stage_units(platform, par.pipeline_parallel_size, par.tensor_parallel_size)
         head = ray.get_runtime_context().get_node_id()
         self.groups = [self._placement_group(rank, head, self.units) for rank in range(self.dp_size)]
@@ -99,13 +98,12 @@ class RayEngines:
         self.place()
         actor_class = ray.remote(concurrency_groups={"control": 1})(EngineCoreActor)
         for rank, pg in enumerate(self.groups):
-            config = dataclasses.replace(self.config, placement_group=pg)
             actor = actor_class.options(
                 num_cpus=0,
                 name=f"pipejax-engine-{rank}-{pg.id.hex()[:8]}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
                 runtime_env={"env_vars": base_environment()},
-            ).remote(config, rank, self.addresses, self.warmup)
+            ).remote(self.config, rank, self.addresses, self.warmup, placement_group=pg)
             self.actors.append(actor)
             self._pending[actor.run.remote()] = rank
         par = self.config.parallel
@@ -127,7 +125,7 @@ class RayEngines:
         import ray
         from ray.util.placement_group import placement_group_table
 
-        timeout = self.config.placement_timeout_s
+        timeout = self.config.ray.placement_timeout_s
         ready, waiting = ray.wait([pg.ready() for pg in self.groups], num_returns=len(self.groups), timeout=timeout)
         if waiting:
             par, resource = self.config.parallel, units.resource

@@ -42,7 +42,9 @@ def engine_config(args: argparse.Namespace):
             raise ValueError("-dpb ray runs every engine's stages as Ray actors; --distributed-executor-backend uni "
                              "is for -dpb mp (engines as local processes)")
         backend = "ray"
-    return engine_config_from_args(args, backend, placement_timeout_s=args.placement_timeout)
+    return engine_config_from_args(
+        args, distributed_executor_backend=backend, placement_timeout_s=args.placement_timeout
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -112,7 +114,7 @@ def _run_head(args, config, addresses: DPAddresses) -> int:
         engines.start()
         watcher.start()
         frontend = FrontendConfig(
-            addresses=addresses, client_index=0, dp_size=dp, model_path=config.model,
+            addresses=addresses, client_index=0, dp_size=dp, model_path=config.model.path,
             served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME, api_key=args.api_key,
             ready_timeout_s=args.engine_ready_timeout, output_timeout_s=args.request_timeout,
         )
