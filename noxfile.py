@@ -181,6 +181,15 @@ def bench_report(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """Soak: `pipejax serve` (builtin, pp=2, Ray stage actors) under steady load; RSS growth after warm-up < 20 MB."""
+    _install_layer(session, "ray-executor", extras=None)
+    session.install("-c", CONSTRAINTS, "httpx2")
+    session.run("python", str(PACKAGES / "ray-executor" / "benchmarks" / "soak.py"), *session.posargs,
+                env={**SIM_DEVICES, "RAY_AUTH_MODE": "disabled", "TMPDIR": os.environ.get("TMPDIR", "/tmp")})
+
+
+@nox.session(default=False)
 def bench_gguf(session: nox.Session) -> None:
     """Benchmark: SmolLM2 from GGUF vs safetensors (pp=2 stage load, peak RSS); tok/s at c=1, 64 vs transformers."""
     _install_layer(session, "ray-executor", extras="bench")
