@@ -7,16 +7,10 @@ import pytest
 from pipejax.pp_utils import (
     PARTITION_ENV,
     parse_partition,
+    partition_from_env,
     stage_layer_counts,
     stage_layer_range,
 )
-
-
-@pytest.fixture(autouse=True)
-def _no_partition_env(monkeypatch):
-    # A developer's shell must not change what the even rule returns.
-    monkeypatch.delenv(PARTITION_ENV, raising=False)
-
 
 # ---- even split and the remainder rule -------------------------------------------------------
 
@@ -86,27 +80,25 @@ def test_explicit_partition_argument(partition):
     assert stage_layer_range(16, 1, 3, partition) == range(5, 11)
 
 
-def test_explicit_partition_from_env(monkeypatch):
+def test_explicit_partition_from_env():
+    partition = partition_from_env({PARTITION_ENV: "1,3,4"})
+    assert stage_layer_counts(8, 3, partition) == (1, 3, 4)
+    assert stage_layer_range(8, 2, 3, partition) == range(4, 8)
+
+
+def test_empty_env_falls_back_to_even_rule():
+    assert partition_from_env({PARTITION_ENV: ""}) is None and partition_from_env({}) is None
+    assert stage_layer_counts(10, 4, partition_from_env({PARTITION_ENV: ""})) == (2, 3, 3, 2)
+
+
+def test_the_environment_is_read_only_at_the_edge(monkeypatch):
     monkeypatch.setenv(PARTITION_ENV, "1,3,4")
-    assert stage_layer_counts(8, 3) == (1, 3, 4)
-    assert stage_layer_range(8, 2, 3) == range(4, 8)
+    assert stage_layer_counts(8, 3) == (3, 3, 2)  # the even rule: pp-utils reads no environment
 
 
-def test_empty_env_falls_back_to_even_rule(monkeypatch):
-    monkeypatch.setenv(PARTITION_ENV, "")
-    assert stage_layer_counts(10, 4) == (2, 3, 3, 2)
-
-
-@pytest.mark.parametrize("partition", ["4,3,1", (4, 3, 1)])
-def test_argument_overrides_env(monkeypatch, partition):
-    monkeypatch.setenv(PARTITION_ENV, "1,3,4")
-    assert stage_layer_counts(8, 3, partition) == (4, 3, 1)
-
-
-def test_bad_env_is_reported_like_a_bad_argument(monkeypatch):
-    monkeypatch.setenv(PARTITION_ENV, "4,4")
+def test_bad_env_is_reported_like_a_bad_argument():
     with pytest.raises(ValueError, match=r"has 2 entries but pp_size=3"):
-        stage_layer_counts(8, 3)
+        stage_layer_counts(8, 3, partition_from_env({PARTITION_ENV: "4,4"}))
 
 
 def test_parse_partition():
@@ -187,7 +179,6 @@ def test_non_integer_text(text):
     assert "'5,6,5'" in msg  # the example of what to write
 
 
-def test_non_integer_env(monkeypatch):
-    monkeypatch.setenv(PARTITION_ENV, "all")
+def test_non_integer_env():
     with pytest.raises(ValueError, match=r"'all' is not a comma-separated list of integers"):
-        stage_layer_counts(16, 3)
+        stage_layer_counts(16, 3, partition_from_env({PARTITION_ENV: "all"}))

@@ -61,3 +61,19 @@ def test_generate_on_a_tpu_host_uses_the_tpu_not_the_cpu():
                    env_extra={"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, timeout=120)
     assert proc.returncode != 0 and "tokens/s" not in proc.stdout, proc.stdout
     assert "Unable to initialize backend 'tpu'" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_one_mapping_reads_the_partition_env_at_the_edge(monkeypatch):
+    """``engine_config`` (behind LLM, generate and serve) reads PIPEJAX_PP_LAYER_PARTITION; an explicit
+    partition wins; the flags and LLM's keywords are the same names."""
+    from pipejax.ray_executor.cli import build_parser
+    from pipejax.ray_executor.engine_args import ENGINE_ARGS, engine_config, engine_config_from_args
+
+    monkeypatch.setenv("PIPEJAX_PP_LAYER_PARTITION", "1,3")
+    assert engine_config("builtin", pipeline_parallel_size=2).parallel.pp_layer_partition == "1,3"
+    explicit = engine_config("builtin", pipeline_parallel_size=2, pp_layer_partition="2,2")
+    assert explicit.parallel.pp_layer_partition == "2,2"
+    args = build_parser().parse_args(["generate", "--model", "builtin", "--max-num-seqs", "7", "hi"])
+    config = engine_config_from_args(args)
+    assert config == engine_config("builtin", pipeline_parallel_size=2, max_num_seqs=7)
+    assert {"max_num_seqs", "gpu_memory_utilization", "pp_layer_partition"} <= set(vars(args)) & set(ENGINE_ARGS)

@@ -19,6 +19,7 @@ from pipejax.pp_utils.mesh import (
 from pipejax.pp_utils.partition import (
     PARTITION_ENV,
     parse_partition,
+    partition_from_env,
     stage_layer_counts,
     stage_layer_range,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_RECEIVE_TIMEOUT_S",
     "DESCRIPTOR_BYTES",
     "PARTITION_ENV",
+    "partition_from_env",
     "TP_AXIS",
     "ActivationTransport",
     "InProcessTransport",

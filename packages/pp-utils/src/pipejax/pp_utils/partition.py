@@ -6,14 +6,20 @@ go one each to the ``r`` stages just before the last one (stage ``pp_size - 2``,
 also runs the final norm, the LM head and the sampler; the first stage's embedding lookup is cheap.
 
 An explicit partition ("5,6,5", one count per stage) overrides the rule; it comes from the
-caller's config or, when that is unset, from ``PIPEJAX_PP_LAYER_PARTITION``.
+caller's config. ``PIPEJAX_PP_LAYER_PARTITION`` is read at the edge (the CLI and ``LLM``'s argument
+mapping, through ``partition_from_env``), never here.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 
 PARTITION_ENV = "PIPEJAX_PP_LAYER_PARTITION"
+
+
+def partition_from_env(environ: Mapping[str, str]) -> str | None:
+    """The partition ``PIPEJAX_PP_LAYER_PARTITION`` in ``environ`` names (None when unset or empty)."""
+    return environ.get(PARTITION_ENV) or None
 
 
 def parse_partition(text: str | None) -> tuple[int, ...] | None:
@@ -32,7 +38,7 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
 def stage_layer_counts(
     num_layers: int, pp_size: int, partition: str | tuple[int, ...] | list[int] | None = None
 ) -> tuple[int, ...]:
-    """Layer count of every stage. ``partition=None`` falls back to the environment, then the even rule."""
+    """Layer count of every stage. ``partition=None``: the even rule."""
     if pp_size < 1:
         raise ValueError(f"pp_size={pp_size} must be >= 1")
     if num_layers < pp_size:
@@ -40,8 +46,6 @@ def stage_layer_counts(
             f"num_layers={num_layers} is fewer than pp_size={pp_size} stages; "
             f"use pp_size <= {num_layers}"
         )
-    if partition is None:
-        partition = os.environ.get(PARTITION_ENV) or None
     counts = parse_partition(partition) if isinstance(partition, str) else partition
     if counts is None:
         base, remainder = divmod(num_layers, pp_size)

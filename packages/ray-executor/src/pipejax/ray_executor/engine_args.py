@@ -80,8 +80,9 @@ def engine_config(
     max_batches_in_flight: int | None = None,
     step_trace_len: int = 0,
 ):
-    """The ``EngineConfig`` these arguments describe (``model``: see ``llm.resolve_model``)."""
-    from pipejax.pp_utils import ParallelConfig
+    """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``). With no
+    ``pp_layer_partition``, ``PIPEJAX_PP_LAYER_PARTITION`` gives it (the one place pipejax reads it)."""
+    from pipejax.pp_utils import ParallelConfig, partition_from_env
     from pipejax.ray_executor.config import EngineConfig, ModelSource, RayConfig
     from pipejax.runner.config import CacheConfig, SchedulerConfig
 
@@ -90,7 +91,7 @@ def engine_config(
         parallel=ParallelConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
-            pp_layer_partition=pp_layer_partition,
+            pp_layer_partition=pp_layer_partition or partition_from_env(os.environ),
             distributed_executor_backend=distributed_executor_backend,
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization),
