@@ -37,23 +37,38 @@ def workload(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(INPUT_LEN)] for _ in range(NUM_PROMPTS)]
 
 
-def time_pipejax(model: str, prompts) -> float:
+def cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its live descendants (vLLM's engine core)."""
+    import psutil
+
+    me = psutil.Process()
+    own = sum(me.cpu_times()[:2])
+    return own, sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True))
+
+
+def timed(generate) -> tuple[float, tuple[float, float], object]:
+    """Wall seconds, (own, descendants') CPU seconds and the result of one timed pass."""
+    cpu0, start = cpu_seconds(), time.perf_counter()
+    out = generate()
+    elapsed, cpu1 = time.perf_counter() - start, cpu_seconds()
+    return elapsed, (cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]), out
+
+
+def time_pipejax(model: str, prompts) -> tuple[float, tuple[float, float]]:
     from pipejax.ray_executor import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", **LIMITS)
     params = SamplingParams(temperature=1.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     try:
         llm.generate(prompts, params)  # warm: every shape of this workload compiles here
-        start = time.perf_counter()
-        out = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu, out = timed(lambda: llm.generate(prompts, params))
     finally:
         llm.shutdown()
     assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in out)
-    return elapsed
+    return elapsed, cpu
 
 
-def time_vllm(model: str, prompts) -> float:
+def time_vllm(model: str, prompts) -> tuple[float, tuple[float, float]]:
     import vllm
 
     llm = vllm.LLM(model=model, dtype="float32", enable_prefix_caching=False, **LIMITS)
@@ -61,30 +76,37 @@ def time_vllm(model: str, prompts) -> float:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     try:
         llm.generate(inputs, params, use_tqdm=False)
-        start = time.perf_counter()
-        out = llm.generate(inputs, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu, out = timed(lambda: llm.generate(inputs, params, use_tqdm=False))
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert all(len(o.outputs[0].token_ids) == OUTPUT_LEN for o in out)
-    return elapsed
+    return elapsed, cpu
 
 
 def one_run(engine: str) -> None:
     model = bench_model()
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    elapsed = (time_pipejax if engine == "pipejax" else time_vllm)(model, workload(vocab))
-    print("RESULT " + json.dumps({"engine": engine, "seconds": elapsed}), flush=True)
+    elapsed, cpu = (time_pipejax if engine == "pipejax" else time_vllm)(model, workload(vocab))
+    print("RESULT " + json.dumps({"engine": engine, "seconds": elapsed, "cpu": cpu}), flush=True)
 
 
-def in_fresh_process(engine: str) -> float:
-    env = {**os.environ, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+# vLLM's LLM runs its engine core in a child process by default; "vllm-inproc" runs it in the caller
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0), which separates that process split's cost from the worker's.
+VARIANTS = {"pipejax": ("pipejax", {}), "vllm": ("vllm", {}),
+            "vllm-inproc": ("vllm", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})}
+
+
+def in_fresh_process(variant: str) -> dict:
+    engine, extra = VARIANTS[variant]
+    env = {**os.environ, "PIPEJAX_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           **extra}
+    load = os.getloadavg()[0]
     proc = subprocess.run([sys.executable, __file__, "--one", engine], capture_output=True, text=True, env=env,
                           timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"{engine} run failed:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))["seconds"]
+        raise RuntimeError(f"{variant} run failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads(lines[-1].removeprefix("RESULT ")), "load": load}
 
 
 def vllm_bench_throughput(model: str) -> str:
@@ -112,16 +134,24 @@ def main() -> None:
     if args.one:
         return one_run(args.one)
     model = bench_model()
-    times: dict[str, list[float]] = {"pipejax": [], "vllm": []}
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for _ in range(args.repeats):
-        for engine in ("pipejax", "vllm"):
-            times[engine].append(in_fresh_process(engine))
+        for variant in VARIANTS:
+            runs[variant].append(in_fresh_process(variant))
     tokens = NUM_PROMPTS * OUTPUT_LEN
-    rate = {e: tokens / statistics.median(t) for e, t in times.items()}
     print(f"workload: {NUM_PROMPTS} prompts x {INPUT_LEN} in -> {OUTPUT_LEN} out, fp32, temperature 1, pp1 tp1")
-    for engine, t in times.items():
-        print(f"{engine:8s} output tok/s: {rate[engine]:7.1f} (median of {[round(tokens / x, 1) for x in t]})")
-    print(f"vLLM + pipejax / pipejax's engine: {rate['vllm'] / rate['pipejax']:.2f}x (goal >= 0.9x)")
+    print("variant      output tok/s (median; runs)        CPU s per 1k output tokens: own + child processes"
+          "   load avg at start")
+    rate, cpu = {}, {}
+    for variant, rs in runs.items():
+        rate[variant] = tokens / statistics.median(r["seconds"] for r in rs)
+        own, child = (statistics.median(r["cpu"][i] * 1000 / tokens for r in rs) for i in (0, 1))
+        cpu[variant] = own + child
+        print(f"{variant:12s} {rate[variant]:7.1f} {[round(tokens / r['seconds'], 1) for r in rs]!s:26s}"
+              f" {own:6.2f} + {child:5.2f}   {[round(r['load'], 1) for r in rs]}")
+    print(f"vLLM + pipejax / pipejax's engine: {rate['vllm'] / rate['pipejax']:.2f}x output tok/s (goal >= 0.9x); "
+          f"CPU per token {cpu['vllm'] / cpu['pipejax']:.2f}x; engine core in-process: "
+          f"{rate['vllm-inproc'] / rate['pipejax']:.2f}x tok/s, CPU {cpu['vllm-inproc'] / cpu['pipejax']:.2f}x")
     if not args.skip_vllm_bench:
         print(vllm_bench_throughput(model))
 
