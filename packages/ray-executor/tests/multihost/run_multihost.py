@@ -51,6 +51,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import ray  # noqa: E402
+from driver_checks import Checks, write_atomically  # noqa: E402  (this folder is on sys.path: run as a script)
 
 from pipejax.ray_executor import LLM, SamplingParams  # noqa: E402
 from pipejax.ray_executor.engine.engine import EngineDeadError  # noqa: E402
@@ -69,23 +70,6 @@ def expected_node_order(placement: list[dict], driver_node: str) -> list[str]:
     return sorted(count, key=lambda n: (n != driver_node, count[n], ip_key(ip[n]), n))
 
 
-def write_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-class Checks:
-    def __init__(self):
-        self.results: dict[str, bool] = {}
-        self.notes: dict[str, str] = {}
-
-    def __call__(self, name: str, ok: bool, note: str = "") -> bool:
-        self.results[name] = bool(ok)
-        if note or not ok:
-            self.notes[name] = note
-        print(f"[driver] {'ok  ' if ok else 'FAIL'} {name} {note}", flush=True)
-        return ok
 
 
 def wait_for_nodes(hosts: list[dict], timeout_s: float = 60.0) -> list[dict]:
@@ -102,7 +86,7 @@ def main() -> int:
     hosts = json.loads(ARGS.hosts)
     by_ip = {h["ip"]: h for h in hosts}
     workdir: Path = ARGS.workdir
-    check = Checks()
+    check = Checks("driver")
     summary: dict = {"pp": ARGS.pp, "tp": ARGS.tp, "hosts": hosts, "timings": {}}
     greedy = SamplingParams(temperature=0, max_tokens=ARGS.max_tokens, ignore_eos=True)
     llm = None

@@ -30,27 +30,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from driver_checks import Checks, write_atomically  # this folder is on sys.path: run as a script
+
 PROMPTS = ["Hello, pipejax!", "The quick brown fox", "pipelines", "hosts and ranks"]
 MAX_TOKENS = 8
 
 
-class Checks:
-    def __init__(self):
-        self.results: dict[str, bool] = {}
-        self.notes: dict[str, str] = {}
-
-    def __call__(self, name: str, ok: bool, note: str = "") -> bool:
-        self.results[name] = bool(ok)
-        if note or not ok:
-            self.notes[name] = note
-        print(f"[serve-driver] {'ok  ' if ok else 'FAIL'} {name} {note}", flush=True)
-        return ok
-
-
-def write_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def parse_args(argv=None):
@@ -115,7 +100,7 @@ def main() -> int:
     hosts = json.loads(args.hosts)
     names = {h["name"] for h in hosts}
     head = hosts[0]
-    check = Checks()
+    check = Checks("serve-driver")
     summary: dict = {"dpl": args.dpl, "timings": {}}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
