@@ -40,6 +40,7 @@ def synthetic_results() -> dict[str, dict]:
                        "engine": {"layout": "pp=1 tp=1 (in-process)", "max_num_batched_tokens": 2048},
                        "cores_busy": {"pipejax": s(1.8, 1.9), "transformers": s(1.9, 2.0)}, "breakdown": breakdown},
         "decode": {**load, "context": 128, "matmul_gflops": s(90, 100), "memory_gbps": s(3.0, 3.5),
+                   "numpy_copy_gbps": s(3.1, 3.4), "memory_vs_numpy": s(0.95, 1.05),
                    "decode": {"64": {"step_ms": s(330, 340), "floor_ms": s(125, 130), "compute_ms": s(125, 130),
                                      "memory_ms": s(100, 110), "ratio": s(2.6, 2.7), "bound": "compute"}},
                    "parts_ms": {"inputs": 1.5, "forward": 310.0, "sample": 22.0, "shape": [64, 64, 1, 12]},
@@ -99,16 +100,30 @@ def test_unknown_section_is_refused(capsys):
     assert "unknown section(s) ['nope']" in capsys.readouterr().err
 
 
-def test_render_from_results(tmp_path):
+def render(tmp_path, data: dict) -> str:
     results = tmp_path / "results"
-    results.mkdir()
-    for name, data in synthetic_results().items():
-        assert name in SECTIONS
-        (results / f"{name}.json").write_text(json.dumps(data))
+    results.mkdir(parents=True)
+    for name, section in data.items():
+        (results / f"{name}.json").write_text(json.dumps(section))
     (results / "meta.json").write_text(json.dumps({"when": "now", "repeats": 2, "sections": {}}))
     out = tmp_path / "BENCHMARKS.md"
     assert main(["--from-results", str(results), "--output", str(out)]) == 0
-    text = out.read_text()
+    return out.read_text()
+
+
+def test_floor_verdict_needs_a_bandwidth_probe_that_agrees_with_numpy(tmp_path):
+    data = synthetic_results()
+    assert "≤ 1.5× | **NOT met**" in render(tmp_path / "agree", data)
+    data["decode"]["memory_vs_numpy"] = {"median": 1.59, "min": 1.5, "max": 1.7, "n": 2}
+    text = render(tmp_path / "disagree", data)
+    assert "≤ 1.5× | **no verdict**: the bandwidth probe" in text
+    assert "| 0.8–1.2× | **NOT met** |" in text
+
+
+def test_render_from_results(tmp_path):
+    data = synthetic_results()
+    assert set(data) <= set(SECTIONS)
+    text = render(tmp_path, data)
     assert "## Summary" in text and "## Goals not met: what bounds them" in text
     # every figure of the issue has its row, next to its reference and a verdict
     for figure in ("output tokens/s, 64 req", "decode step at batch 64", "pp=2 output tokens/s",
