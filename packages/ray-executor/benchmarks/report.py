@@ -37,6 +37,20 @@ SECTIONS: dict[str, tuple[str, int, str]] = {
 }
 SECTION_TIMEOUT_S = 1800
 BENCH_DIR = Path(__file__).resolve().parent  # holds sections/
+# A "## " section of the existing report whose heading carries this mark was measured by another command
+# (named in it) and is kept, unchanged, at the end of the regenerated report.
+KEPT_MARK = "not part of `pipejax bench report`"
+
+
+def kept_sections(previous: str) -> str:
+    """The sections of a previous report whose heading says they come from another command ("" if none)."""
+    kept, keep = [], False
+    for line in previous.splitlines(keepends=True):
+        if line.startswith("## "):
+            keep = KEPT_MARK in line
+        if keep:
+            kept.append(line)
+    return "".join(kept)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -763,7 +777,8 @@ def run_report(args: argparse.Namespace) -> int:
     data = load_results(results)
     has_plot = plot(data, plot_path)
     rel = os.path.relpath(plot_path, output.parent) if has_plot else None
-    output.write_text(Report(data, meta, rel).render())
+    kept = kept_sections(output.read_text()) if output.exists() else ""
+    output.write_text(Report(data, meta, rel).render().rstrip("\n") + "\n" + ("\n" + kept if kept else ""))
     print(f"[bench report] wrote {output}" + (f" and {plot_path}" if has_plot else "") + f" (raw results: {results})")
     return 0 if all(v.get("rc") == 0 for v in meta.get("sections", {}).values()) else 1
 

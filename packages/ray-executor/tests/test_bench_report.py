@@ -120,6 +120,21 @@ def test_floor_verdict_needs_a_bandwidth_probe_that_agrees_with_numpy(tmp_path):
     assert "| 0.8–1.2× | **NOT met** |" in text
 
 
+def test_sections_from_other_commands_survive_a_regeneration(tmp_path):
+    """A hand-kept section (its heading names the command that measured it) stays; old generated ones go."""
+    out = tmp_path / "BENCHMARKS.md"
+    other = "## vLLM's engine on pipejax's stages (not part of `pipejax bench report`)\n\nmeasured by vllm_host.py\n"
+    out.write_text("# old report\n\n## Summary\n\nstale figure 123.4\n\n" + other)
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, section in synthetic_results().items():
+        (results / f"{name}.json").write_text(json.dumps(section))
+    assert main(["--from-results", str(results), "--output", str(out)]) == 0
+    text = out.read_text()
+    assert "stale figure 123.4" not in text and "## Summary" in text
+    assert text.endswith("\n\n" + other) and text.count("measured by vllm_host.py") == 1
+
+
 def test_render_from_results(tmp_path):
     data = synthetic_results()
     assert set(data) <= set(SECTIONS)
