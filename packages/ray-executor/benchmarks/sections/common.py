@@ -103,12 +103,14 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
 
 
 def machine_rates(repeats: int = 5) -> dict[str, float]:
-    """This machine's fp32 matmul rate (FLOP/s, 2048^3 in JAX) and resident memory bandwidth (bytes/s),
-    each the median of ``repeats`` — the floor's denominators.
+    """This machine's fp32 matmul rate (FLOP/s, 2048^3 in JAX) and resident read bandwidth (bytes/s), each
+    the median of ``repeats`` — the floor's denominators (a decode step streams its weights and K/V: reads).
 
-    Bandwidth: a donated in-place update of a resident 1 GiB array in JAX (read + write, no new buffer
-    per call, so no page faults are timed), next to numpy's copy between two resident 1 GiB buffers
-    (``numpy_bandwidth``, the reference it must agree with)."""
+    Bandwidth: a JAX reduction over a resident 1 GiB array (no output buffer to fault in), next to numpy's
+    reduction over the same resident bytes (``numpy_bandwidth``, the reference it must agree with). Also
+    numpy's copy between two resident 1 GiB buffers (``numpy_copy_bandwidth``, read + write counted), for
+    comparison: a copy into another buffer also reads each destination line before writing it
+    (write-allocate), so it shows about what one read stream does."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -117,18 +119,15 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
     matmul = jax.jit(lambda x: x @ x)
     t_mm = statistics.median(timed(lambda: matmul(a).block_until_ready(), repeats))
     n = 256 * 1024 * 1024  # 1 GiB of fp32
-    state = {"x": jnp.ones((n,), jnp.float32)}
-    bump = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-
-    def in_place():
-        state["x"] = bump(state["x"])
-        state["x"].block_until_ready()
-
-    t_bw = statistics.median(timed(in_place, repeats))
-    del state["x"]
+    resident = [jnp.ones((n,), jnp.float32)]
+    total = jax.jit(jnp.sum)
+    t_bw = statistics.median(timed(lambda: total(resident[0]).block_until_ready(), repeats))
+    resident.clear()  # free it before numpy's two buffers
     src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)  # both written once: resident
-    t_np = statistics.median(timed(lambda: np.copyto(dst, src), repeats))
-    return {"flops": 2 * 2048**3 / t_mm, "bandwidth": 2 * 4 * n / t_bw, "numpy_bandwidth": 2 * 4 * n / t_np}
+    t_np = statistics.median(timed(lambda: np.add.reduce(src), repeats))
+    t_copy = statistics.median(timed(lambda: np.copyto(dst, src), repeats))
+    return {"flops": 2 * 2048**3 / t_mm, "bandwidth": 4 * n / t_bw, "numpy_bandwidth": 4 * n / t_np,
+            "numpy_copy_bandwidth": 2 * 4 * n / t_copy}
 
 
 def load_average() -> list[float]:
