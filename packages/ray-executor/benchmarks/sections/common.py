@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,8 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
     the median of ``repeats`` — the floor's denominators (a decode step streams its weights and K/V: reads).
 
     Bandwidth: a JAX reduction over a resident 1 GiB array (no output buffer to fault in), next to numpy's
-    reduction over the same resident bytes (``numpy_bandwidth``, the reference it must agree with). Also
+    reduction over the same resident bytes, split over as many threads as this process has cores, as XLA
+    does (``numpy_bandwidth``, the reference it must agree with). Also
     numpy's copy between two resident 1 GiB buffers (``numpy_copy_bandwidth``, read + write counted), for
     comparison: a copy into another buffer also reads each destination line before writing it
     (write-allocate), so it shows about what one read stream does."""
@@ -124,7 +126,11 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
     t_bw = statistics.median(timed(lambda: total(resident[0]).block_until_ready(), repeats))
     resident.clear()  # free it before numpy's two buffers
     src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)  # both written once: resident
-    t_np = statistics.median(timed(lambda: np.add.reduce(src), repeats))
+    # numpy's reduction releases the GIL: one thread per core JAX's own reduction may use, each over its part
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    parts = np.array_split(src, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        t_np = statistics.median(timed(lambda: list(pool.map(np.add.reduce, parts)), repeats))
     t_copy = statistics.median(timed(lambda: np.copyto(dst, src), repeats))
     return {"flops": 2 * 2048**3 / t_mm, "bandwidth": 4 * n / t_bw, "numpy_bandwidth": 4 * n / t_np,
             "numpy_copy_bandwidth": 2 * 4 * n / t_copy}

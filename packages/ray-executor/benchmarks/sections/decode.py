@@ -9,6 +9,9 @@ At the headline batch the step is split into its parts (host inputs, the jitted 
 sampling) and set next to the same model's dense matmuls alone (every weight matrix once,
 same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
 the paged KV gather. The KV bytes the attention reads are reported next to the weights.
+
+Also one 2048-token prefill step (16 fresh prompts x 128 tokens, the jitted forward): its useful FLOP rate
+as a share of the matmul rate measured in the same repeat.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sections.common import bench_model, machine_rates, section_main, summary, t
 CONTEXT = 128
 HEADLINE_BATCH = 64
 GOAL = 1.5
+PREFILL_ROWS, PREFILL_LEN = 16, 128  # one 2048-token prefill step: 16 prompts x 128 tokens
 
 
 def step_cost(cfg, batch: int, context: int = CONTEXT) -> tuple[float, float]:
@@ -53,7 +57,8 @@ class DecodeBench:
         self.block = 16
         self.per_request = math.ceil((CONTEXT + 64) / self.block)
         cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request)
-        limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches), max_num_batched_tokens=max(batches))
+        limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
         self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
@@ -68,6 +73,18 @@ class DecodeBench:
 
     def step(self, size: int) -> None:
         self.runner.execute(self.batch(size))
+
+    def prefill_forward(self):
+        """A thunk running the jitted forward of one 2048-token prefill step (16 fresh prompts x 128 tokens)."""
+        from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
+
+        blocks = math.ceil(PREFILL_LEN / self.block)
+        sampling = SamplingParams(temperature=1.0)
+        reqs = tuple(ScheduledRequest(f"p{i}", tuple(range(5, 5 + PREFILL_LEN)), 0,
+                                      tuple(range(1 + i * blocks, 1 + (i + 1) * blocks)), sampling)
+                     for i in range(PREFILL_ROWS))
+        shape, inputs = self.runner.prepare_inputs(ModelBatch(next(self._ids), reqs))
+        return lambda: self.runner.forward(inputs, shape).block_until_ready()
 
     def parts(self, size: int, repeats: int) -> dict[str, Any]:
         """Median ms of the step's parts at ``size``: host inputs, jitted forward, sampling."""
@@ -89,6 +106,17 @@ class DecodeBench:
             for v, t in zip(times.values(), (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 v.append(t)
         return {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()} | {"shape": list(shape)}
+
+
+def prefill_flops(cfg) -> float:
+    """Useful FLOPs of the 2048-token prefill step: every token through every layer's matmuls, causal attention
+    (each token against the positions before it), the LM head on each prompt's last token."""
+    E, F, H, K, D, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                        cfg.num_layers)
+    tokens = PREFILL_ROWS * PREFILL_LEN
+    matmuls = 2 * tokens * L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F)
+    attention = 4 * L * PREFILL_ROWS * H * D * PREFILL_LEN * (PREFILL_LEN + 1) / 2
+    return matmuls + attention + 2 * PREFILL_ROWS * E * cfg.vocab_size
 
 
 def dense_matmuls(cfg, batch: int, repeats: int) -> float:
@@ -122,11 +150,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench.cfg
     for b in batches:
         bench.step(b)  # compile
+    prefill = bench.prefill_forward()
+    prefill()  # compile
     per_repeat: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
-    rates_all = []
+    rates_all, prefill_share, prefill_ms = [], [], []
     for _ in range(args.repeats):
         rates = machine_rates(3)
         rates_all.append(rates)
+        t = statistics.median(timed(prefill, 3))
+        prefill_ms.append(t * 1e3)
+        prefill_share.append(prefill_flops(cfg) / t / rates["flops"])
         for b in batches:
             step_s = statistics.median(timed(lambda b=b: bench.step(b), steps))
             flops, weights = step_cost(cfg, b)
@@ -151,6 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "numpy_copy_gbps": summary([r["numpy_copy_bandwidth"] / 1e9 for r in rates_all]),
         "memory_vs_numpy": summary([r["bandwidth"] / r["numpy_bandwidth"] for r in rates_all]),
         "decode": decode,
+        "prefill": {"tokens": PREFILL_ROWS * PREFILL_LEN, "rows": PREFILL_ROWS, "step_ms": summary(prefill_ms),
+                    "gflops": prefill_flops(cfg) / 1e9, "share_of_matmul_rate": summary(prefill_share)},
         "parts_ms": parts,
         "dense_matmuls_ms": dense_ms,
         "weight_bytes": step_cost(cfg, b)[1],

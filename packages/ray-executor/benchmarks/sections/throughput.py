@@ -5,7 +5,8 @@ temperature 1 on both sides), for c in 1, 2, 4, 8, 16, 32, 64 (--quick: 1, 16, 6
 headline figure. pipejax runs pp=1 tp=1 in-process (one engine for every c, compiled by an untimed run
 of each c); transformers runs one ``generate`` over all c prompts (fp32, CPU, its default threads).
 The two alternate run by run, so both see the same machine load; the ratio is taken per repeat. The headline run's step
-trace splits pipejax's time into prefill steps, decode steps and the engine around them.
+trace splits pipejax's time into prefill steps, decode steps and the engine around them. Without --quick, the
+headline workload also runs in bf16 on both sides (a reported row, no goal).
 """
 
 from __future__ import annotations
@@ -92,14 +93,14 @@ def pipejax_run(llm, batch_prompts: list[list[int]], output_len: int = OUTPUT_LE
 
 
 class HFReference:
-    """transformers' ``AutoModelForCausalLM.generate`` on the same checkpoint, fp32 on the CPU."""
+    """transformers' ``AutoModelForCausalLM.generate`` on the same checkpoint, on the CPU (fp32 unless asked)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, dtype: str = "float32"):
         import torch
         import transformers
 
         self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.threads = torch.get_num_threads()
 
     def run(self, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
@@ -227,7 +228,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shapes_compiled_during_timed_runs": compiled_shapes(llm) - compiled_before,
     }
     llm.shutdown()
+    if not args.quick:
+        result["bf16"] = bf16_pair(path, all_prompts, min(args.repeats, 2))
     return result
+
+
+def bf16_pair(path: str, all_prompts: list[list[int]], repeats: int) -> dict[str, Any]:
+    """The headline workload in bf16 on both sides, alternating (a reported row, no goal): torch's bf16
+    matmuls use the CPU's AMX units, XLA:CPU has no AMX path, so this compares kernels more than engines."""
+    from pipejax.ray_executor.llm import LLM
+
+    llm = LLM(path, warmup=False, dtype="bfloat16", **engine_kwargs())
+    hf = HFReference(path, "bfloat16")
+    pipejax_run(llm, all_prompts, 8)  # compile
+    hf.run(all_prompts[:2], 4)
+    pj, ref = [], []
+    for r in range(repeats):
+        for who in ("pj", "hf") if r % 2 == 0 else ("hf", "pj"):
+            if who == "pj":
+                pj.append(NUM_PROMPTS * OUTPUT_LEN / pipejax_run(llm, all_prompts))
+            else:
+                ref.append(NUM_PROMPTS * OUTPUT_LEN / hf.run(all_prompts))
+    llm.shutdown()
+    return {"pipejax_tps": summary(pj), "hf_tps": summary(ref),
+            "ratio": summary([a / b for a, b in zip(pj, ref, strict=True)])}
 
 
 if __name__ == "__main__":
