@@ -430,7 +430,14 @@ class Report:
                 f"{dd['memory_gbps']['median']:.1f} GB/s this machine moves, reading that K/V once takes "
                 f"{dd['kv_bytes_needed'] / (dd['memory_gbps']['median'] * 1e9) * 1e3:.0f} ms; the fused reduction "
                 "runs at well under that rate (XLA:CPU's loop code for a gather feeding a reduction over the head "
-                "dimension, repeated for each of the query heads sharing a KV head), which is what remains.",
+                "dimension, repeated for each of the query heads sharing a KV head), which is what remains."
+                + (f" The gather alone bounds it: the same block-table gather of every layer's K and V blocks, "
+                   f"each summed over its slots and nothing else (one jit), takes {dd['kv_gather_ms']:.0f} ms for "
+                   f"{dd['kv_bytes_gathered'] / mb:.0f} MiB, {dd['kv_bytes_gathered'] / dd['kv_gather_ms'] / 1e6:.1f} "
+                   f"GB/s against the {dd['memory_gbps']['median']:.1f} GB/s a reduction over resident memory "
+                   "reads: XLA:CPU's gather, not the arithmetic, is most of the attention. Closing it needs a "
+                   "hand-written kernel (an XLA custom call on CPU, a Pallas ragged paged-attention kernel on TPU)."
+                   if dd.get("kv_gather_ms") else ""),
                 f"Sampling adds {p['sample']:.0f} ms ({p['sample'] / (p['inputs'] + p['forward'] + p['sample']):.0%} "
                 "of the step) for 64 rows × 32000 logits at temperature 1 (the full random path: scaling, min-p, "
                 "the CDF over the vocabulary).",

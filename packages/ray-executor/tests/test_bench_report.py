@@ -49,7 +49,8 @@ def synthetic_results() -> dict[str, dict]:
                    "prefill": {"tokens": 2048, "rows": 16, "step_ms": s(2400, 2500), "gflops": 315.0,
                                "share_of_matmul_rate": s(0.80, 0.84)},
                    "parts_ms": {"inputs": 1.5, "forward": 310.0, "sample": 22.0, "shape": [64, 64, 1, 12]},
-                   "dense_matmuls_ms": 207.0, "weight_bytes": 4.0e8, "matmul_params": 1.0e8, "kv_bytes_needed": 2.0e8,
+                   "dense_matmuls_ms": 207.0, "kv_gather_ms": 60.0, "weight_bytes": 4.0e8, "matmul_params": 1.0e8,
+                   "kv_bytes_needed": 2.0e8,
                    "kv_bytes_gathered": 3.0e8, "kv_slots_gathered": 192},
         "pipeline": {**load, "tps": {"2": s(84, 86), "1": s(70, 71)}, "ratio": s(1.19, 1.21),
                      "cores_busy": {"2": s(1.9, 1.95), "1": s(1.6, 1.65)}, "cpus": 2, "warm_runs_s": 70.0,
@@ -160,6 +161,7 @@ def test_render_from_results(tmp_path):
     assert "1.030× [1.020–1.040] | ≤ 1.10× | **met**" in text
     # the unmet goals say what bounds them, with the run's own numbers
     assert "### Decode step vs floor" in text and "207 ms at batch 64" in text
+    assert "takes 60 ms for 286 MiB, 5.0 GB/s against the 3.2 GB/s" in text
     assert "### Compiled-graph step vs plain Ray" in text and "the driver process is busy 0.97 cores" in text
     assert "the graph's stage actor polls its input channel: 0.80 cores" in text
     assert "thread `pipejax-cgraph-reader`: active 90%" in text

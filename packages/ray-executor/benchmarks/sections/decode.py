@@ -119,6 +119,29 @@ def prefill_flops(cfg) -> float:
     return matmuls + attention + 2 * PREFILL_ROWS * E * cfg.vocab_size
 
 
+def kv_gather(cfg, rows: int, blocks: int, block_size: int, repeats: int) -> float:
+    """Seconds to gather, for every layer, ``rows`` x ``blocks`` whole K and V blocks from a paged cache
+    laid out as the runner's ([layers, blocks, block_size, kv heads, head dim]) by a block table, and sum
+    each over its slots: the attention's reads with almost none of its arithmetic (one jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    L, K, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    n = 1 + rows * blocks
+    k_cache = jnp.ones((L, n, block_size, K, D), jnp.float32)
+    v_cache = jnp.ones((L, n, block_size, K, D), jnp.float32)
+    tables = jnp.arange(1, n, dtype=jnp.int32)[::-1].reshape(rows, blocks)  # every block once, not in order
+
+    @jax.jit
+    def run(k_cache, v_cache, tables):
+        def layer(acc, i):
+            return acc + k_cache[i][tables].sum(axis=(1, 2)) + v_cache[i][tables].sum(axis=(1, 2)), None
+
+        return jax.lax.scan(layer, jnp.zeros((rows, K, D), jnp.float32), jnp.arange(L))[0]
+
+    return statistics.median(timed(lambda: run(k_cache, v_cache, tables).block_until_ready(), repeats))
+
+
 def dense_matmuls(cfg, batch: int, repeats: int) -> float:
     """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit)."""
     import jax
@@ -175,6 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     b = HEADLINE_BATCH
     parts = bench.parts(b, steps)
     dense_ms = dense_matmuls(cfg, b, steps) * 1e3
+    gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
     slots = parts["shape"][4] * bench.block
     result = {
         "context": CONTEXT,
@@ -188,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "gflops": prefill_flops(cfg) / 1e9, "share_of_matmul_rate": summary(prefill_share)},
         "parts_ms": parts,
         "dense_matmuls_ms": dense_ms,
+        "kv_gather_ms": gather_ms,
         "weight_bytes": step_cost(cfg, b)[1],
         "matmul_params": (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2,
         "kv_bytes_needed": kv_bytes(cfg, b, CONTEXT + 1),
