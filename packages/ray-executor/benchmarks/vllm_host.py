@@ -27,9 +27,9 @@ LIMITS = {"max_model_len": 256, "max_num_seqs": 64, "max_num_batched_tokens": 51
 
 
 def bench_model() -> str:
-    from pipejax.runner.builtin_model import ensure_builtin_model
+    from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
 
-    return str(ensure_builtin_model("bench"))
+    return str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
 
 
 def workload(vocab: int, seed: int = 0) -> list[list[int]]:

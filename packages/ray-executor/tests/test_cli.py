@@ -77,3 +77,40 @@ def test_one_mapping_reads_the_partition_env_at_the_edge(monkeypatch):
     config = engine_config_from_args(args)
     assert config == engine_config("builtin", pipeline_parallel_size=2, max_num_seqs=7)
     assert {"max_num_seqs", "gpu_memory_utilization", "pp_layer_partition"} <= set(vars(args)) & set(ENGINE_ARGS)
+
+
+def test_the_environment_is_read_at_the_edge_only(monkeypatch, tmp_path):
+    """Every variable the engine honours becomes a config field in ``engine_config`` (an explicit keyword
+    wins); below it nothing reads the environment, so a config built directly takes the defaults."""
+    from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
+    from pipejax.ray_executor.engine_args import ENGINE_ARGS, ENV_KEYWORDS, engine_config
+    from pipejax.runner.builtin_model import CACHE_DIR_ENV
+    from pipejax.worker.worker import CACHE_DIR_ENV as COMPILATION_CACHE_DIR_ENV
+    from pipejax.worker.worker import default_compilation_cache_dir
+
+    assert set(ENV_KEYWORDS) <= set(ENGINE_ARGS)
+    assert ENV_KEYWORDS["model_cache_dir"] == CACHE_DIR_ENV
+    assert ENV_KEYWORDS["compilation_cache_dir"] == COMPILATION_CACHE_DIR_ENV
+    models = os.environ["PIPEJAX_CACHE_DIR"]  # this run's (conftest)
+    env = {"RAY_ADDRESS": "10.0.0.1:6379", "PIPEJAX_RAY_DEVICE_RESOURCE": "my_cpu",
+           "PIPEJAX_PLATFORM_PLUGIN": "tpu", "PIPEJAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = engine_config("builtin")
+    assert config.model.path.startswith(models)
+    assert (config.ray.address, config.ray.device_resource) == ("10.0.0.1:6379", "my_cpu")
+    assert config.platform_plugin == "tpu" and config.compilation_cache_dir == str(tmp_path)
+    assert config.worker_config(0).compilation_cache_dir == str(tmp_path)
+    explicit = engine_config("builtin", ray_address="auto", ray_device_resource="dev", platform_plugin="x",
+                             compilation_cache_dir="/c", model_cache_dir=str(tmp_path / "models"))
+    assert (explicit.ray.address, explicit.ray.device_resource, explicit.platform_plugin) == ("auto", "dev", "x")
+    assert explicit.compilation_cache_dir == "/c" and explicit.model.path.startswith(str(tmp_path / "models"))
+    monkeypatch.setenv("PIPEJAX_COMPILATION_CACHE_DIR", "")  # set but empty: no cache, as documented
+    assert engine_config("builtin").compilation_cache_dir is None
+    for key in env:
+        monkeypatch.delenv(key)
+    unset = engine_config("builtin")
+    assert (unset.ray.address, unset.ray.device_resource, unset.platform_plugin) == (None, CPU_DEVICE_RESOURCE, None)
+    assert unset.compilation_cache_dir == default_compilation_cache_dir()
+    direct = EngineConfig(ModelSource(unset.model.path))
+    assert direct.ray == RayConfig() and direct.compilation_cache_dir == default_compilation_cache_dir()

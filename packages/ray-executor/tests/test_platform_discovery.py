@@ -63,25 +63,26 @@ def test_the_one_that_applies_is_imported_lazily_and_cached(plugins, tmp_path, m
 
 def test_several_apply_needs_a_choice(plugins, monkeypatch):
     plugins({"a": lambda: "collections.OrderedDict", "b": lambda: "collections.Counter"})
+    monkeypatch.setenv("PIPEJAX_PLATFORM_PLUGIN", "b")  # read at the edge (engine_config), not here
     with pytest.raises(platforms.PlatformDiscoveryError) as err:
         platforms.current_platform()
     message = str(err.value)
     assert "several platforms apply" in message and "PIPEJAX_PLATFORM_PLUGIN=<name>, one of: a, b" in message
     assert "a -> collections.OrderedDict" in message
-    monkeypatch.setenv("PIPEJAX_PLATFORM_PLUGIN", "b")
-    assert type(platforms.current_platform()).__name__ == "Counter"
+    assert type(platforms.current_platform("b")).__name__ == "Counter"
+    assert platforms.current_platform() is platforms.current_platform("b")  # cached for the process
+    with pytest.raises(platforms.PlatformDiscoveryError, match="already runs on plugin 'b'"):
+        platforms.current_platform("a")
 
 
-def test_errors_name_what_is_installed(plugins, monkeypatch):
+def test_errors_name_what_is_installed(plugins):
     plugins({"off": lambda: None, "odd": lambda: 42, "broken": _raise})
     with pytest.raises(platforms.PlatformDiscoveryError, match="no platform applies.*broken failed.*odd failed.*"
                        "not a class path.*off does not apply.*pipejax-platform-tpu"):
         platforms.current_platform()
-    monkeypatch.setenv("PIPEJAX_PLATFORM_PLUGIN", "off")
     with pytest.raises(platforms.PlatformDiscoveryError, match="PIPEJAX_PLATFORM_PLUGIN='off', but no plugin"):
-        platforms.current_platform()
+        platforms.current_platform("off")
     plugins({"missing": lambda: "no_such_module_xyz.Platform"})
-    monkeypatch.delenv("PIPEJAX_PLATFORM_PLUGIN")
     with pytest.raises(platforms.PlatformDiscoveryError, match="cannot import platform class 'no_such_module_xyz"):
         platforms.current_platform()
 
@@ -105,17 +106,14 @@ def _third_party_site(dest: Path) -> Path:
 
 
 IN_VENV = """
-import json, os
+import json
 from importlib.metadata import entry_points
 from pipejax.ray_executor import platforms
 
 def which(choice):
-    os.environ.pop("PIPEJAX_PLATFORM_PLUGIN", None)
-    if choice:
-        os.environ["PIPEJAX_PLATFORM_PLUGIN"] = choice
     platforms.reset_current_platform()
     try:
-        p = platforms.current_platform()
+        p = platforms.current_platform(choice)
         return f"{type(p).__module__}.{type(p).__qualname__}"
     except platforms.PlatformDiscoveryError as e:
         return f"error: {e}"

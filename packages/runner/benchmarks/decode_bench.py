@@ -138,10 +138,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
 
-    from pipejax.runner.builtin_model import ensure_builtin_model
+    from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
     from pipejax.runner.config import ModelConfig
 
-    path = str(ensure_builtin_model("bench"))
+    path = str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
     cfg = ModelConfig.from_pretrained(path)
     flops_rate, bandwidth = machine_rates()
     print(

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from pipejax.runner.builtin_model import (
     BUILTIN_MODELS,
     EOS_TOKEN_ID,
     EOT_TOKEN_ID,
+    cache_dir_from_env,
+    default_cache_dir,
     ensure_builtin_model,
     full_hf_config,
     hf_tensor_shapes,
@@ -152,15 +155,23 @@ def test_bench_preset_is_about_124m_parameters():
     assert 120e6 < sum(math.prod(s) for s in shapes.values()) < 130e6
 
 
-def test_ensure_builtin_model_generates_once_into_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("PIPEJAX_CACHE_DIR", str(tmp_path))
-    path = ensure_builtin_model()
+def test_cache_folder_from_the_callers_environment(monkeypatch):
+    """The runner reads no environment: an edge passes its own to ``cache_dir_from_env``."""
+    default = pathlib.Path.home() / ".cache" / "pipejax"
+    assert default_cache_dir() == default and cache_dir_from_env({}) == default
+    assert cache_dir_from_env({"PIPEJAX_CACHE_DIR": "/x/y"}) == pathlib.Path("/x/y")
+    monkeypatch.setenv("PIPEJAX_CACHE_DIR", "/elsewhere")
+    assert default_cache_dir() == default
+
+
+def test_ensure_builtin_model_generates_once_into_the_cache(tmp_path):
+    path = ensure_builtin_model(cache_dir=cache_dir_from_env({"PIPEJAX_CACHE_DIR": str(tmp_path)}))
     assert path == tmp_path / "builtin-default-v1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builtin-default-v1"]  # no leftovers
     hashes = file_hashes(path)
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= set(hashes)
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert ensure_builtin_model("default") == path
+    assert ensure_builtin_model("default", tmp_path) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     generation = json.loads((path / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [EOS_TOKEN_ID, EOT_TOKEN_ID]

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 
 from pipejax.pp_utils import stage_mesh  # noqa: E402
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest  # noqa: E402
-from pipejax.runner.builtin_model import ensure_builtin_model  # noqa: E402
+from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model  # noqa: E402
 from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig  # noqa: E402
 from pipejax.runner.runner import StageRunner  # noqa: E402
 
@@ -52,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    path = ensure_builtin_model("bench")
+    path = ensure_builtin_model("bench", cache_dir_from_env(os.environ))
     blocks = math.ceil((args.context + 1) / BLOCK_SIZE)
     cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + max(batches) * blocks)
     limits = SchedulerConfig(

@@ -34,3 +34,17 @@ def test_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
     first = run_stage_process(checkpoint[0], tmp_path)
     assert any("step" in name or "forward" in name for name in first), first  # the stage's jitted step is cached
     assert run_stage_process(checkpoint[0], tmp_path) == first
+
+
+def test_the_cache_folder_comes_from_the_callers_environment(monkeypatch):
+    """The worker reads no environment: the edges map theirs (set: that folder; empty: no cache)."""
+    from pipejax.runner.config import StageConfig
+    from pipejax.worker.worker import WorkerConfig, compilation_cache_dir_from_env, default_compilation_cache_dir
+
+    default = default_compilation_cache_dir()
+    assert default.endswith(os.path.join(".cache", "pipejax", "jax-compilation"))
+    assert compilation_cache_dir_from_env({}) == default
+    assert compilation_cache_dir_from_env({"PIPEJAX_COMPILATION_CACHE_DIR": "/x"}) == "/x"
+    assert compilation_cache_dir_from_env({"PIPEJAX_COMPILATION_CACHE_DIR": ""}) is None
+    monkeypatch.setenv("PIPEJAX_COMPILATION_CACHE_DIR", "/elsewhere")
+    assert WorkerConfig("m", StageConfig(0, 1), tp_size=1).compilation_cache_dir == default

@@ -58,14 +58,13 @@ def child() -> None:
     import ray
 
     from pipejax.ray_executor import LLM
-    from pipejax.ray_executor.executor.ray_placement import cpu_device_resource
     from pipejax.runner.batch import SamplingParams
 
     config = engine_config_from_args(args)  # the checkpoint exists already (generated before the timed process)
     t_imports = time.time()
     need = args.pipeline_parallel_size * args.tensor_parallel_size
     # as the engine's connect() does, but always a new local cluster (another may run on this machine)
-    ray.init(address="local", resources={cpu_device_resource(): need}, include_dashboard=False,
+    ray.init(address="local", resources={config.ray.device_resource: need}, include_dashboard=False,
              log_to_driver=False)
     t_ray = time.time()
     llm = LLM.from_config(config, warmup=False)

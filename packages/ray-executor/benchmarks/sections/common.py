@@ -43,9 +43,9 @@ def prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]
 
 def bench_model() -> str:
     """The 124M-parameter fp32 benchmark checkpoint (generated on first use)."""
-    from pipejax.ray_executor.engine_args import resolve_model
+    from pipejax.ray_executor.engine_args import environment_defaults, resolve_model
 
-    return resolve_model("builtin:bench")
+    return resolve_model("builtin:bench", environment_defaults(os.environ).get("model_cache_dir"))
 
 
 def engine_buckets(llm):

@@ -35,9 +35,9 @@ WORKER_CLS = "pipejax.worker.vllm_worker.VllmStageWorker"
 OPTIONS_KEY = "pipejax"  # additional_config key the worker reads (pipejax.worker.vllm_worker.OPTIONS_KEY)
 DEFAULT_BLOCK_SIZE = 16
 SUPPORTED_VLLM = "0.32.0"
-# Passed to vLLM's Ray workers with the driver's values (vLLM copies these names).
-FORWARDED_ENV = ["PIPEJAX_PLATFORM", "PIPEJAX_COMPILATION_CACHE_DIR", "XLA_FLAGS", "JAX_PLATFORMS",
-                 "VLLM_PP_LAYER_PARTITION"]
+# Passed to vLLM's Ray workers with the driver's values (vLLM copies these names). The compilation cache
+# folder is not among them: the platform reads PIPEJAX_COMPILATION_CACHE_DIR here and records it in the options.
+FORWARDED_ENV = ["PIPEJAX_PLATFORM", "XLA_FLAGS", "JAX_PLATFORMS", "VLLM_PP_LAYER_PARTITION"]
 
 
 class PipejaxPlatform(Platform):
@@ -63,8 +63,12 @@ class PipejaxPlatform(Platform):
                              "use 'uni', 'mp' or 'ray'")
         opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
         if opts is None:  # first call (the config is checked again in each process that rebuilds it)
+            from pipejax.worker.worker import compilation_cache_dir_from_env
+
             opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size,
                                pc.distributed_executor_backend, os.environ.get("VLLM_PP_LAYER_PARTITION"))
+            # The platform is the edge that reads pipejax's environment under vLLM; every stage gets the driver's.
+            opts["compilation_cache_dir"] = compilation_cache_dir_from_env(os.environ)
             additional = dict(vllm_config.additional_config or {})
             additional[OPTIONS_KEY] = opts
             vllm_config.additional_config = additional

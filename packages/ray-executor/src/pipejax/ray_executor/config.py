@@ -1,6 +1,11 @@
 """The engine's frozen config, one section per concern: which model, the layout, the KV cache, the
 batching limits, and how the Ray executor runs. It holds no live handle: a placement group the caller
-already created goes to the engine (and its executor) as an argument."""
+already created goes to the engine (and its executor) as an argument.
+
+Nothing below reads environment variables: ``engine_args.engine_config`` (behind the CLI and ``LLM``)
+fills the fields they stand for (``RAY_ADDRESS``, ``PIPEJAX_RAY_DEVICE_RESOURCE``, ``PIPEJAX_PLATFORM_PLUGIN``,
+``PIPEJAX_COMPILATION_CACHE_DIR``, ``PIPEJAX_PP_LAYER_PARTITION``); a config built directly gets the
+defaults below."""
 
 from __future__ import annotations
 
@@ -12,6 +17,15 @@ from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
 
 if TYPE_CHECKING:
     from pipejax.worker import WorkerConfig
+
+
+CPU_DEVICE_RESOURCE = "pipejax_cpu_device"  # what CPU development clusters declare per simulated device
+
+
+def _default_compilation_cache_dir() -> str:
+    from pipejax.worker.worker import default_compilation_cache_dir  # the worker's default, imported late
+
+    return default_compilation_cache_dir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +42,9 @@ class ModelSource:
 class RayConfig:
     """The Ray executor's settings (the other executors ignore them)."""
 
-    address: str | None = None  # the cluster's address; None: RAY_ADDRESS, else a local cluster
+    address: str | None = None  # the cluster's address; None: a local cluster (engine_config: RAY_ADDRESS)
+    # The Ray resource that counts a stage's simulated devices on a CPU cluster (TPU clusters use Ray's 'TPU').
+    device_resource: str = CPU_DEVICE_RESOURCE
     placement_timeout_s: float = 120.0  # how long to wait for the placement group to be placed
     compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)
     # On the CPU backend: confine each stage actor to its own equal share of its node's cores, so stages
@@ -49,6 +65,10 @@ class EngineConfig:
     # Keep the timings of the last N steps (the engine's batches in flight, each stage's step start/end;
     # ``executor.step_trace()``) for tests and profiling. 0: trace nothing (serving).
     step_trace_len: int = 0
+    # Process-wide settings, the same for every stage:
+    platform_plugin: str | None = None  # the pipejax.platform_plugins entry point to use when several apply
+    # JAX's persistent compilation cache of every stage process (None: none).
+    compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_compilation_cache_dir)
 
     def worker_config(self, pp_rank: int) -> WorkerConfig:
         """What the stage worker of ``pp_rank`` gets (the same for every executor)."""
@@ -64,5 +84,6 @@ class EngineConfig:
             dtype=self.model.dtype,
             seed=self.model.seed,
             model_impl=self.model.impl,
+            compilation_cache_dir=self.compilation_cache_dir,
             step_trace_len=self.step_trace_len,
         )

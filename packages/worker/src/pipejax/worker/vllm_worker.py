@@ -205,6 +205,7 @@ class VllmStageWorker(WorkerBase):
             scheduler=limits,
             dtype=str(mc.dtype).removeprefix("torch."),
             seed=mc.seed or 0,
+            compilation_cache_dir=self.options["compilation_cache_dir"],
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

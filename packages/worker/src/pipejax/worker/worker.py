@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import psutil
@@ -30,16 +30,23 @@ from pipejax.runner.runner import StageRunner, kv_bytes_per_block
 log = logging.getLogger(__name__)
 
 WARMUP_STEP_BASE = 1 << 60  # warm-up step ids live far above the engine's (which count from 0)
-CACHE_DIR_ENV = "PIPEJAX_COMPILATION_CACHE_DIR"
+CACHE_DIR_ENV = "PIPEJAX_COMPILATION_CACHE_DIR"  # read at the edges (compilation_cache_dir_from_env)
 MIN_CACHED_COMPILE_S = 0.2  # compiles faster than this are not worth a file
 
 
-def default_compilation_cache_dir() -> str | None:
-    """``$PIPEJAX_COMPILATION_CACHE_DIR`` (empty: no cache), else ~/.cache/pipejax/jax-compilation."""
-    value = os.environ.get(CACHE_DIR_ENV)
+def default_compilation_cache_dir() -> str:
+    """Where JAX's persistent compilation cache goes unless told otherwise: ~/.cache/pipejax/jax-compilation."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "pipejax", "jax-compilation")
+
+
+def compilation_cache_dir_from_env(environ: Mapping[str, str]) -> str | None:
+    """The cache folder ``$PIPEJAX_COMPILATION_CACHE_DIR`` in ``environ`` names (set but empty: None, no
+    cache), else the default. The worker reads no environment: the edges (the engine's ``engine_config``,
+    the vLLM platform) pass theirs and hand the result down in ``WorkerConfig.compilation_cache_dir``."""
+    value = environ.get(CACHE_DIR_ENV)
     if value is not None:
         return value or None
-    return os.path.join(os.path.expanduser("~"), ".cache", "pipejax", "jax-compilation")
+    return default_compilation_cache_dir()
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -63,6 +70,7 @@ class WorkerConfig:
     seed: int = 0
     model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
     receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
+    # JAX's persistent compilation cache of this process (None: none)
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     step_trace_len: int = 0  # keep (pp_rank, step_id, start, end) of the last N steps (0: trace nothing)
 

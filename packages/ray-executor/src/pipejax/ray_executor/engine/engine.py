@@ -58,7 +58,9 @@ class LLMEngine:
         requested_len = config.scheduler.max_model_len
         # max_model_len is resolved here, once, against the model; the stages get it resolved.
         config = dataclasses.replace(
-            config, parallel=checked_layout(config.parallel), scheduler=config.scheduler.for_model(self.model_config)
+            config,
+            parallel=checked_layout(config.parallel, config.platform_plugin),
+            scheduler=config.scheduler.for_model(self.model_config),
         )
         self.config = config
         path = config.model.path
@@ -195,15 +197,16 @@ class LLMEngine:
         return None, [int(t) for t in prompt]
 
 
-def checked_layout(parallel: ParallelConfig) -> ParallelConfig:
-    """The platform validates pp x tp against this host and picks the backend when none was asked.
+def checked_layout(parallel: ParallelConfig, platform_plugin: str | None = None) -> ParallelConfig:
+    """The platform (``platform_plugin``'s, or the one that applies) validates pp x tp against this host and
+    picks the backend when none was asked.
 
     With Ray, the cluster's capacity is checked by the placement group instead (it knows the nodes).
     """
     if parallel.distributed_executor_backend == "ray":
         return parallel
     try:
-        return current_platform().check_and_update_config(parallel)
+        return current_platform(platform_plugin).check_and_update_config(parallel)
     except ValueError as exc:
         import jax
 

@@ -41,14 +41,15 @@ class RayExecutor(Executor):
         self.config = config
         par, settings = config.parallel, config.ray
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
-        platform = current_platform()
-        self._started_ray = connect(settings.address, platform, pp * tp)
-        self.units = stage_units(platform, pp, tp)
+        platform = current_platform(config.platform_plugin)
+        self._started_ray = connect(settings.address, platform, pp * tp, settings.device_resource)
+        self.units = stage_units(platform, pp, tp, settings.device_resource)
         self._own_pg = placement_group is None
         self.pg = placement_group or create_placement_group(pp, self.units, settings.placement_timeout_s)
         timeout = config.step_timeout_s
         stages = launch_stages(platform, self.pg, pp, tp, self.units, timeout,
-                               cpus_for=self._stage_cpus if settings.pin_stage_cpus else None)
+                               cpus_for=self._stage_cpus if settings.pin_stage_cpus else None,
+                               platform_plugin=config.platform_plugin)
         self.actors, self.placement = stages.actors, stages.placement
         addresses = ray.get(
             [

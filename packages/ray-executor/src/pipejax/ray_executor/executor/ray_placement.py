@@ -22,11 +22,11 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pipejax.pp_utils import WorkerRecord, rank_workers
+from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE
 from pipejax.ray_executor.executor.stage_actor import StageActor
 
 log = logging.getLogger(__name__)
 
-CPU_DEVICE_RESOURCE = "pipejax_cpu_device"  # what CPU development clusters declare per simulated device
 TPU_RESOURCE = "TPU"  # Ray's own: one per chip
 PASSED_ENV_PREFIXES = ("PIPEJAX_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "RAY_CGRAPH_")
 # Ray would set TPU_VISIBLE_CHIPS and the bounds from the granted ids before every task; the stage
@@ -49,29 +49,26 @@ class StageUnits:
         return out
 
 
-def cpu_device_resource() -> str:
-    return os.environ.get("PIPEJAX_RAY_DEVICE_RESOURCE", CPU_DEVICE_RESOURCE)
-
-
-def connect(address: str | None, platform, devices_needed: int) -> bool:
-    """Join ``address``/``RAY_ADDRESS`` or start a local cluster; True when this call started Ray."""
+def connect(address: str | None, platform, devices_needed: int, device_resource: str = CPU_DEVICE_RESOURCE) -> bool:
+    """Join ``address`` (``RayConfig.address``) or start a local cluster, which on CPU declares
+    ``devices_needed`` of ``device_resource``; True when this call started Ray."""
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=False)
         return False
     # The embedded default: a local cluster of this one node. On a TPU host Ray counts its chips itself;
     # on CPU the node declares the simulated devices. address="local" always starts a new cluster: a bare
     # init would attach to any cluster already running on this machine and then refuse the resources.
-    resources = {} if platform.is_tpu() else {cpu_device_resource(): devices_needed}
+    resources = {} if platform.is_tpu() else {device_resource: devices_needed}
     ray.init(address="local", resources=resources, include_dashboard=False, log_to_driver=False)
     return True
 
 
-def stage_units(platform, pp: int, tp: int) -> StageUnits:
+def stage_units(platform, pp: int, tp: int, device_resource: str = CPU_DEVICE_RESOURCE) -> StageUnits:
     """Ray's units for a stage of ``tp`` devices on this cluster: ``TPU`` chips where the cluster has TPU
-    nodes (unless CPU was asked for), else the CPU device resource. Reads the live nodes' resources."""
+    nodes (unless CPU was asked for), else ``device_resource`` (``RayConfig.device_resource``, one per
+    simulated device). Reads the live nodes' resources."""
     asked = platform.requested_mode
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     tpu_nodes = {n["NodeManagerAddress"]: platform.ray_node_hardware(n["Resources"]) for n in nodes
@@ -80,7 +77,7 @@ def stage_units(platform, pp: int, tp: int) -> StageUnits:
         if asked == "tpu":
             raise ValueError(f"PIPEJAX_PLATFORM=tpu, but no node of the Ray cluster lists a '{TPU_RESOURCE}' "
                              f"resource ({len(nodes)} nodes alive); start Ray on the TPU hosts, or unset it")
-        return StageUnits(cpu_device_resource(), tp)
+        return StageUnits(device_resource, tp)
     unknown = sorted(ip for ip, hw in tpu_nodes.items() if hw is None)
     if unknown:
         raise ValueError(
@@ -138,11 +135,16 @@ def _missing_resources_message(bundles: list[dict], resource: str, timeout_s: fl
     )
 
 
+def driver_variables() -> dict[str, str]:
+    """The driver's pipejax / Hugging Face variables, which every stage and engine-core process gets
+    (as a local child process would): this forwards the environment, it reads no setting."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+
+
 def base_environment() -> dict[str, str]:
     """What a stage (or engine-core) actor starts with, before it knows its chips: no device claimed
     (JAX, if anything imported it this early, would take the CPU), and Ray told not to set chips."""
-    passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
-    return passed | NOSET_TPU_ENV | {"JAX_PLATFORMS": "cpu"}
+    return driver_variables() | NOSET_TPU_ENV | {"JAX_PLATFORMS": "cpu"}
 
 
 @dataclasses.dataclass
@@ -155,10 +157,11 @@ class StageGroup:
 
 
 def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUnits, timeout_s: float,
-                  cpus_for=None) -> StageGroup:
+                  cpus_for=None, platform_plugin: str | None = None) -> StageGroup:
     """Start ``pp`` stage actors in ``pg``'s bundles, rank them by where they landed, and set each one's
     environment from its own host: the host detected on that node (or, failing that, as that Ray node
-    lists it), the chips Ray granted it. ``cpus_for(actors, placement)`` may give each its cores."""
+    lists it), the chips Ray granted it. ``cpus_for(actors, placement)`` may give each its cores;
+    ``platform_plugin`` (``EngineConfig.platform_plugin``) picks each actor's platform as the driver's."""
     actor_class = ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
     actors = [
         actor_class.options(
@@ -170,7 +173,7 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
         for i in range(pp)
     ]
     try:
-        reports = ray.get([a.host_report.remote() for a in actors], timeout=timeout_s)
+        reports = ray.get([a.host_report.remote(platform_plugin) for a in actors], timeout=timeout_s)
         # Re-rank by where the actors landed: creation order is never trusted.
         records = [WorkerRecord(r["node_id"], r["ip"], n) for n, r in enumerate(reports)]
         ranked = rank_workers(records, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
@@ -178,7 +181,7 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
         placement = [{**reports[r.record.creation_index], "local_rank": r.local_rank,
                       "local_world_size": r.local_world_size} for r in ranked]
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
-        passed = {k: v for k, v in os.environ.items() if k.startswith(PASSED_ENV_PREFIXES)}
+        passed = driver_variables()
         for rank, p in enumerate(placement):  # the platform decides per host
             p["hardware"] = _stage_host(platform, p, resources.get(p["node_id"], {}), units, rank)
             p["chips"] = _stage_chips(platform, p, tp, units)

@@ -36,13 +36,15 @@ class StageActor:
             "pid": os.getpid(),
         }
 
-    def host_report(self) -> dict[str, Any]:
+    def host_report(self, platform_plugin: str | None = None) -> dict[str, Any]:
         """Where this actor runs and what that host is, found here: the platform's cheap detection of
-        this host (never JAX) and the TPU chip ids Ray granted this actor (none on CPU)."""
+        this host (never JAX) and the TPU chip ids Ray granted this actor (none on CPU). ``platform_plugin``:
+        the driver's choice of platform (``EngineConfig.platform_plugin``)."""
         from pipejax.ray_executor.platforms import current_platform
 
         granted = ray.get_runtime_context().get_accelerator_ids().get("TPU", [])
-        return {**self.node_info(), "detected": current_platform().detect_host(), "granted_tpu_ids": list(granted)}
+        detected = current_platform(platform_plugin).detect_host()
+        return {**self.node_info(), "detected": detected, "granted_tpu_ids": list(granted)}
 
     def environment(self) -> dict[str, Any]:
         """This process's environment as it stands, and whether JAX is loaded yet (tests, debugging)."""

@@ -80,10 +80,11 @@ class RayEngines:
         from pipejax.ray_executor.executor.ray_placement import connect, stage_units
         from pipejax.ray_executor.platforms import current_platform
 
-        par = self.config.parallel
-        platform = current_platform()
-        self._started_ray = connect(self.config.ray.address, platform, self.dp_size * par.world_size)
-        self.units = stage_units(platform, par.pipeline_parallel_size, par.tensor_parallel_size)
+        par, settings = self.config.parallel, self.config.ray
+        platform = current_platform(self.config.platform_plugin)
+        self._started_ray = connect(settings.address, platform, self.dp_size * par.world_size, settings.device_resource)
+        pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.units = stage_units(platform, pp, tp, settings.device_resource)
         head = ray.get_runtime_context().get_node_id()
         self.groups = [self._placement_group(rank, head, self.units) for rank in range(self.dp_size)]
         self._wait_placed(self.units)
@@ -214,7 +215,8 @@ class ProcessEngines:
         (on TPU its own box of chips, disjoint from the others'; under 'ray' JAX's CPU backend)."""
         from pipejax.ray_executor.platforms import current_platform
 
-        return current_platform().engine_environment(self.config.parallel, self.ranks.index(rank), len(self.ranks))
+        platform = current_platform(self.config.platform_plugin)
+        return platform.engine_environment(self.config.parallel, self.ranks.index(rank), len(self.ranks))
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
