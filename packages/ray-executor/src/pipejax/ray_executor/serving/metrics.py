@@ -48,6 +48,7 @@ class ServerMetrics:
             self.alive.labels(label).set(1 if index in ready and index not in dead else 0)
 
     def render(self) -> bytes:
+        # prometheus_client's own switch (serve.py sets it for --api-server-count > 1), not a pipejax setting.
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
