@@ -81,7 +81,6 @@ class Request:
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.in_flight = False  # part of a batch that has not come back yet
-        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""

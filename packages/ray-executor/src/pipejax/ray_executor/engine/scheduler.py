@@ -150,7 +150,6 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.running.remove(req)
         self.waiting.appendleft(req)
