@@ -23,13 +23,12 @@ from jax.sharding import Mesh
 
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.config import ModelConfig, StageConfig
+from pipejax.runner.errors import CheckpointError
 from pipejax.runner.model import RULES, kv_heads_for_tp, param_specs
 
+__all__ = ["CheckpointError", "SafetensorsIndex", "load_stage_params", "open_checkpoint"]
+
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A tensor is missing from the checkpoint or has the wrong shape."""
 
 
 SAFETENSORS_DTYPES = {
@@ -287,7 +286,7 @@ def _place(name: str, pieces: Iterator[Piece], shape: tuple[int, ...], dtype: np
 def open_checkpoint(path: str | Path) -> SafetensorsIndex:
     """The checkpoint at ``path`` by Hugging Face tensor names: safetensors, or a GGUF file (``GGUFIndex``,
     the same interface: tensors in Hugging Face layout, read by rows, dequantized)."""
-    from pipejax.runner import gguf_file  # imports this module
+    from pipejax.runner import gguf_file
 
     return gguf_file.GGUFIndex(path) if gguf_file.find_gguf(path) is not None else SafetensorsIndex(path)
 

@@ -110,10 +110,10 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
         """From a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one)."""
-        from pipejax.runner import gguf_file  # imports this module
+        from pipejax.runner import gguf_file
 
-        if gguf_file.find_gguf(path) is not None:
-            return gguf_file.model_config(gguf_file.find_gguf(path), dtype=dtype)
+        if (gguf := gguf_file.find_gguf(path)) is not None:
+            return cls.from_hf(gguf_file.hf_config(gguf_file.open_reader(gguf), gguf), dtype=dtype)
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():

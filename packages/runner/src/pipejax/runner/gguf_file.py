@@ -20,13 +20,13 @@ import logging
 import mmap
 import struct
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from pipejax.runner.checkpoint import CheckpointError
-from pipejax.runner.config import ModelConfig
+from pipejax.runner.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -219,10 +219,6 @@ def hf_config(reader: _Header, path: str | Path = "") -> dict:
     }
 
 
-def model_config(path: str | Path, dtype: str | None = None) -> ModelConfig:
-    return ModelConfig.from_hf(hf_config(open_reader(path), path), dtype=dtype)
-
-
 class GGUFTensor:
     """A tensor of the file in Hugging Face layout, read and dequantized by rows: ``tensor[r0:r1]``."""
 
@@ -325,12 +321,21 @@ _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell", "command-r", 
 _GPT2 = ("default", "gpt2", "gpt-2", None)
 
 
-def tokenizer(path: str | Path):
+@dataclasses.dataclass(frozen=True)
+class TokenizerParts:
+    """What a GGUF file says about its tokenizer; ``tokenizer.Tokenizer.from_pretrained`` assembles it."""
+
+    backend: Any  # a tokenizers.Tokenizer (byte-level BPE), special and added tokens registered
+    special_tokens: dict[str, str]  # bos_token, eos_token, unk_token, pad_token: those the file names
+    add_special: dict[str, bool]  # add_bos_token, add_eos_token
+    eos_token_ids: set[int]  # end of text and end of turn
+    bos_token_id: int | None
+    chat_template: str | None
+
+
+def tokenizer_parts(path: str | Path) -> TokenizerParts:
     """The file's tokenizer: byte-level BPE from ``tokenizer.ggml.*``, special tokens, chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    from pipejax.runner.tokenizer import Tokenizer as PipejaxTokenizer
-    from pipejax.runner.tokenizer import _apply_bos_eos_flags
 
     path = find_gguf(path) or Path(path)
     reader = open_reader(path)
@@ -365,8 +370,7 @@ def tokenizer(path: str | Path):
     special = {f"{k}_token": token(k) for k in ("bos", "eos", "unknown", "padding")}
     special = {name.replace("unknown", "unk").replace("padding", "pad"): t for name, t in special.items() if t}
     flags = {f"add_{k}_token": bool(_field(reader, f"tokenizer.ggml.add_{k}_token", False)) for k in ("bos", "eos")}
-    _apply_bos_eos_flags(backend, flags, special)
     eos_ids = {i for i in (_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id"))
                if i is not None}
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-    return PipejaxTokenizer(backend, special, eos_ids, bos_id, _field(reader, "tokenizer.chat_template"))
+    return TokenizerParts(backend, special, flags, eos_ids, bos_id, _field(reader, "tokenizer.chat_template"))

@@ -86,7 +86,10 @@ class Tokenizer:
         from pipejax.runner import gguf_file
 
         if gguf_file.find_gguf(path) is not None:
-            return gguf_file.tokenizer(path)
+            parts = gguf_file.tokenizer_parts(path)
+            _apply_bos_eos_flags(parts.backend, parts.add_special, parts.special_tokens)
+            return cls(parts.backend, parts.special_tokens, parts.eos_token_ids, parts.bos_token_id,
+                       parts.chat_template)
         folder = pathlib.Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(
