@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import vllm
 import vllm.platforms
@@ -38,6 +40,8 @@ def test_config_hides_tp_inside_each_stage(checkpoint):
     # Each stage process gets 2 simulated devices of its own.
     assert [env["XLA_FLAGS"] for env in opts["stage_environments"]] == [
         "--xla_force_host_platform_device_count=2"] * 3
+    # The platform reads PIPEJAX_COMPILATION_CACHE_DIR (the conftest's) for the workers, which read no environment.
+    assert opts["compilation_cache_dir"] == os.environ["PIPEJAX_COMPILATION_CACHE_DIR"]
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
