@@ -133,7 +133,7 @@ def main() -> int:
             t.start()
         samples: dict[int, list[tuple[float, int]]] = {}
         roles: dict[int, str] = {}
-        start = time.monotonic()
+        start, started_at = time.monotonic(), time.time()
         while (elapsed := time.monotonic() - start) < args.minutes * 60:
             for pid in [server.pid, *descendants(server.pid)]:
                 kind = roles.get(pid) or role(pid, server.pid)
@@ -147,7 +147,8 @@ def main() -> int:
                   flush=True)
             time.sleep(args.interval)
         stop.set()
-        return report(samples, roles, args, counts[0], serve_args)
+        stages = [pid for pid, kind in roles.items() if kind == "stage"]
+        return report(samples, roles, args, counts[0], serve_args, stage_compiles(stages, started_at))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -156,7 +157,27 @@ def main() -> int:
             os.killpg(server.pid, signal.SIGKILL)
 
 
-def report(samples, roles, args, requests: int, serve_args: list[str]) -> int:
+def stage_compiles(pids: list[int], started_at: float) -> list[float] | None:
+    """Seconds after the load started (negative: before) at which a stage compiled a step shape, read from
+    the "compiling step for" lines in the stage actors' Ray worker logs (None when no log was found)."""
+    import datetime
+    import glob
+
+    root = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")
+    files = [f for pid in pids for f in glob.glob(os.path.join(root, "session_*", "logs", f"worker-*-{pid}.err"))]
+    if not files:
+        return None
+    times = []
+    for path in files:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if "compiling step for" in line:
+                    stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+                    times.append(stamp.timestamp() - started_at)
+    return sorted(times)
+
+
+def report(samples, roles, args, requests: int, serve_args: list[str], compiles: list[float] | None) -> int:
     warm, end = args.warmup_minutes * 60, args.minutes * 60
     rows = []
     for pid, series in samples.items():
@@ -171,10 +192,15 @@ def report(samples, roles, args, requests: int, serve_args: list[str]) -> int:
           f"serve {' '.join(serve_args)}; RSS growth after {args.warmup_minutes:g} min warm-up:")
     for r in sorted(rows, key=lambda r: (r["role"], r["pid"])):
         print(f"  {r['role']:6} pid {r['pid']:>7}: {r['rss_mb']:7.0f} MB, growth {r['growth_mb']:+6.1f} MB")
+    late = [t for t in compiles or [] if t >= warm]
+    if compiles is not None:  # a compiled step shape costs its stage memory: the likeliest growth after warm-up
+        print(f"  step shapes compiled (all stages): {len(compiles) - len(late)} before the end of warm-up, "
+              f"{len(late)} after" + (f" (at {', '.join(f'{t / 60:.1f}' for t in late)} min)" if late else ""))
     print(f"{'PASS' if ok else 'FAIL'}: every process grew < {args.limit_mb:g} MB" if rows else "FAIL: no samples")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"minutes": args.minutes, "requests": requests, "processes": rows, "pass": ok}, f, indent=1)
+            json.dump({"minutes": args.minutes, "requests": requests, "processes": rows, "pass": ok,
+                       "compiles_after_warmup_min": [t / 60 for t in late]}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -10,6 +10,7 @@ that, ``call`` reaches any method of the stage's ``StageWorker`` (the executor's
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -67,6 +68,7 @@ class StageActor:
         from pipejax.pp_utils import TransferServerTransport
         from pipejax.worker import StageWorker
 
+        _log_to_stderr()
         self.name = name or f"stage {worker_config.stage.pp_rank}"
         self.transport = TransferServerTransport(host=host_ip)
         stage = worker_config.stage
@@ -90,3 +92,14 @@ class StageActor:
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
+
+
+def _log_to_stderr() -> None:
+    """pipejax's INFO lines (a step shape compiling, a cache sized) go to this actor's stderr, which Ray keeps
+    in the worker's log and forwards to the driver: an operator sees a compile in the middle of serving."""
+    logger = logging.getLogger("pipejax")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
