@@ -75,6 +75,25 @@ def test_step_deltas_add_up_to_the_whole_output(llm_pp2):
         assert [lp.sampled for lp in logprobs[rid]] == pytest.approx([lp.sampled for lp in want.logprobs], abs=1e-4)
 
 
+def test_step_finished_returns_each_request_once_when_it_ends(llm_pp2):
+    """The offline API's form of a step: no output until a request finishes, then the whole of it, once."""
+    engine = llm_pp2.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = llm_pp2.generate(["finished one", "finished two"], [params, short])
+    engine.add_request("f0", "finished one", params)
+    engine.add_request("f1", "finished two", short)
+    seen, steps = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step_finished():
+            assert out.finished
+            seen.append((steps, out.request_id, out.outputs[0].token_ids))
+        steps += 1
+    assert [rid for _, rid, _ in seen] == ["f1", "f0"] and seen[0][0] < seen[1][0]
+    assert {rid: ids for _, rid, ids in seen} == {"f0": expected[0].outputs[0].token_ids,
+                                                  "f1": expected[1].outputs[0].token_ids}
+
+
 def test_stop_conditions(llm_pp2):
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     (ref,) = llm_pp2.generate(["stop conditions"], free)

@@ -75,8 +75,8 @@ class LLM:
             while len(finished) < len(added):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"engine idle with {len(added) - len(finished)} requests unaccounted for")
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self.engine.step_finished():
+                    if out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
         return [self._merge(pid, sp.n, finished) for pid, sp in zip(parents, params, strict=True)]

@@ -127,6 +127,11 @@ class LLMEngine:
         delta (serving's form: no per-step copies of whole requests)."""
         return [r.delta() for r in self._step()]
 
+    def step_finished(self) -> list[RequestOutput]:
+        """One engine step; only the requests that finished in it, whole (``LLM.generate``'s form: each request
+        is copied once, when it ends, instead of every step)."""
+        return [r.output() for r in self._step() if r.finished]
+
     def _step(self) -> list[Request]:
         if self.dead is not None:
             raise self.dead
