@@ -5,8 +5,9 @@ that every wait has a timeout); both processes' RSS is printed every 5,000 pulls
 
     python packages/pp-utils/benchmarks/transfer_pull_memory.py [--pulls 35001] [--wait block|poll]
 
-Measured with jaxlib 0.10.2 (2026-12-01): ``--wait block`` stays flat; ``--wait poll`` grows by ~54 bytes
-per ``is_ready()`` call, the same as calling ``is_ready()`` on any ready array in a loop.
+Measured with jaxlib 0.10.2 (2026-12-01), 35,001 pulls: ``--wait block`` 165.9 -> 166.7 MB; ``--wait poll``
+(75.3M is_ready calls) 167.1 -> 500.6 MB. A loop of 1M ``is_ready()`` calls on one ready local array grows
+208.6 -> 262.6 MB: the leak is in ``is_ready`` itself, not in the transfer server.
 """
 
 from __future__ import annotations
