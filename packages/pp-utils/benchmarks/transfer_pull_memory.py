@@ -4,10 +4,11 @@ fp32 array per uuid, this process pulls each one and waits for it either with ``
 that every wait has a timeout); both processes' RSS is printed every 5,000 pulls, with the is_ready calls.
 
     python packages/pp-utils/benchmarks/transfer_pull_memory.py [--pulls 35001] [--wait block|poll]
+    python packages/pp-utils/benchmarks/transfer_pull_memory.py --bare-is-ready 1000001   # no transfer at all
 
 Measured with jaxlib 0.10.2 (2026-12-01), 35,001 pulls: ``--wait block`` 165.9 -> 166.7 MB; ``--wait poll``
-(75.3M is_ready calls) 167.1 -> 500.6 MB. A loop of 1M ``is_ready()`` calls on one ready local array grows
-208.6 -> 262.6 MB: the leak is in ``is_ready`` itself, not in the transfer server.
+(75.3M is_ready calls) 167.1 -> 500.6 MB. ``--bare-is-ready 1000001`` (1M calls on one ready local
+array) grows 153.9 -> 223.0 MB: the leak is in ``is_ready`` itself, not in the transfer server.
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pulls", type=int, default=40000)
     p.add_argument("--wait", choices=("block", "poll"), default="poll")
+    p.add_argument("--bare-is-ready", type=int, default=0, help="only call is_ready() N times on one local array")
     args = p.parse_args()
+    if args.bare_is_ready:
+        x = jax.device_put(np.ones((16, 64), np.float32))
+        x.block_until_ready()
+        for i in range(args.bare_is_ready):
+            x.is_ready()
+            if i % 250000 == 0:
+                print(f"is_ready calls {i:8d}  rss {rss_mb(os.getpid()):7.1f} MB", flush=True)
+        return
     with tempfile.NamedTemporaryFile("w", suffix=".progress") as progress:
         progress.write("0")
         progress.flush()
