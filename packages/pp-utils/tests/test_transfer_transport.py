@@ -292,6 +292,20 @@ class TestWithinOneProcess:
         self._send(sender, 23, meshes[0])
         self._receive_ok(receiver, 23, spec)
 
+    def test_a_wait_queries_readiness_sparingly(self, pair, monkeypatch):
+        """Each is_ready() leaks native memory in jaxlib 0.10.2: a wait spaces its queries, never one per spin."""
+        sender, receiver, meshes = pair
+        sleeps = []
+        real_sleep = time.sleep
+        monkeypatch.setattr(time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+        before = receiver.readiness_checks
+        with pytest.raises(TransportTimeout):
+            receiver.receive(15, self._spec(meshes[1]), timeout=0.3)
+        spin_checks = tt._SPIN_S / tt._SPIN_CHECK_S + 1
+        assert 0 < receiver.readiness_checks - before <= len(sleeps) + spin_checks + 1
+        self._send(sender, 15, meshes[0])
+        self._receive_ok(receiver, 15, self._spec(meshes[1]))
+
     def test_sender_changes_layout_between_steps(self, pair):
         """Same shapes, new sender layout: data pulled in the old layout are put back in place."""
         sender, receiver, meshes = pair

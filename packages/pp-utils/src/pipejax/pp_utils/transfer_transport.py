@@ -30,8 +30,11 @@ How the transfer server behaves (jax 0.10.2, checked on CPU) and what this modul
   ``receive`` raises ``ConnectionError`` naming the step and the peer.
 - ``pull`` returns at once; readiness is what waits, and a pull for an id that is never
   published never becomes ready (its ``timeout`` argument did not end it). ``receive`` polls
-  ``is_ready()`` up to its deadline (spinning briefly, then sleeping a small fraction of the time
-  waited), so no thread is left blocked and the process can exit. A pull that timed out stays
+  ``is_ready()`` up to its deadline, so no thread is left blocked and the process can exit (a thread
+  blocked on such a pull aborts the interpreter at exit). Each readiness query leaks a little native
+  memory in jaxlib 0.10.2 (``benchmarks/transfer_pull_memory.py``), so queries are spaced: every
+  ``_SPIN_CHECK_S`` while spinning for the first ``_SPIN_S``, then after sleeps of a small fraction of
+  the time waited; ``readiness_checks`` counts them. A pull that timed out stays
   issued and is resumed by the next ``receive`` of that step.
 - Data stay alive on the sender until pulled, then the server frees them (the caller may drop
   its references right after ``send``, but must not delete or donate the arrays before they are
@@ -67,6 +70,7 @@ DESCRIPTOR_BYTES = 4096
 MAX_STEP_ID = 2**62 - 1  # two uuids per step must fit the server's uint64 ids
 _RECENT_STEPS = 65536  # how many step ids are remembered to refuse a second send/receive
 _SPIN_S = 300e-6  # how long a wait spins before it sleeps
+_SPIN_CHECK_S = 25e-6  # while spinning, how often readiness is queried (each query leaks, see above)
 _POLL_MIN_S, _POLL_MAX_S, _POLL_FRACTION = 20e-6, 1e-3, 0.05  # then sleeps: this fraction of the time waited
 _CACHED_LAYOUTS = 256  # descriptors (send side) and pull plans (receive side) kept per layout
 
@@ -190,6 +194,7 @@ class TransferServerTransport(ActivationTransport):
         self._descriptor_structs: collections.OrderedDict[tuple, jax.ShapeDtypeStruct] = collections.OrderedDict()
         # seconds the latest receive waited for the descriptor, then for the data (for profiling)
         self.last_receive_waits: tuple[float, float] = (0.0, 0.0)
+        self.readiness_checks = 0  # is_ready() calls so far (each leaks a little native memory in jaxlib 0.10.2)
 
     def connect_previous(self, address: str, peer_name: str = "previous stage") -> None:
         """Connect to the previous stage's ``address``; ``receive`` pulls from it."""
@@ -290,8 +295,9 @@ class TransferServerTransport(ActivationTransport):
         # A sleep here lasts ~80 us whatever it asks for, longer than a decode-size pull takes to
         # land once it is under way: so first spin (yielding the core) for _SPIN_S, then sleep a
         # fraction of the time waited so far, so a long transfer is noticed within a few % of it.
+        # Readiness is queried at most every _SPIN_CHECK_S while spinning: each query leaks.
         start = time.monotonic()
-        while not all(a.is_ready() for a in arrays):
+        while not self._ready(arrays):
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -301,7 +307,9 @@ class TransferServerTransport(ActivationTransport):
                 )
             waited = now - start
             if waited < _SPIN_S:
-                os.sched_yield()
+                until = now + _SPIN_CHECK_S
+                while time.monotonic() < until:
+                    os.sched_yield()
             else:
                 time.sleep(min(max(_POLL_MIN_S, min(_POLL_MAX_S, _POLL_FRACTION * waited)), left))
         try:
@@ -313,6 +321,13 @@ class TransferServerTransport(ActivationTransport):
                 f"step {step_id}: pulling activations from {self.peer} failed ({e}); did that stage's process exit?"
             ) from e
         return time.monotonic() - start
+
+    def _ready(self, arrays: list[jax.Array]) -> bool:
+        for array in arrays:
+            self.readiness_checks += 1
+            if not array.is_ready():
+                return False
+        return True
 
     def pending(self) -> int:
         """Receives that timed out and can be resumed."""
