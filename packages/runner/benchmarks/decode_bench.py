@@ -66,7 +66,9 @@ def step_cost(cfg, batch: int) -> tuple[float, float]:
     return 2 * batch * matmul_params + attention, bytes_read
 
 
-def decode_times(path: str, batches: list[int], repeats: int) -> dict[int, tuple[float, float, float]]:
+def decode_times(
+    path: str, batches: list[int], repeats: int, decode_attention: str = "auto"
+) -> dict[int, tuple[float, float, float]]:
     import jax
 
     from pipejax.pp_utils import stage_mesh
@@ -78,7 +80,9 @@ def decode_times(path: str, batches: list[int], repeats: int) -> dict[int, tuple
     per_request = (CONTEXT + 64) // block + 1
     cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request)
     limits = SchedulerConfig(max_num_seqs=max(batches))
-    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits)
+    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
+                         decode_attention=decode_attention)
+    print(f"decode attention: {runner.decode_attention}")
     greedy = SamplingParams(temperature=0)
     step_ids = iter(range(10**9))
 
@@ -136,6 +140,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--decode-attention", choices=("auto", "xla", "cpu-kernel"), default="auto",
+                        help="XLA's decode attention or the CPU kernel (auto: the kernel on CPU)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     args = parser.parse_args()
 
     from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
@@ -152,7 +159,7 @@ def main() -> None:
     print(f"\ndecode step, benchmark model (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
     print("| batch | step ms | floor ms | step / floor | bound by |")
     print("|---:|---:|---:|---:|---|")
-    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats).items():
+    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention).items():
         flops, weight_bytes = step_cost(cfg, b)
         compute, memory = flops / flops_rate, weight_bytes / bandwidth
         floor = max(compute, memory)
@@ -160,14 +167,15 @@ def main() -> None:
         step = f"{med * 1e3:.1f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}]"
         print(f"| {b} | {step} | {floor * 1e3:.1f} | {med / floor:.2f}x | {bound} |")
         results["decode"][b] = {"ms": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "floor_ms": floor * 1e3}
-    whole = load_rss(path, 0, 1)
-    stages = [load_rss(path, r, 2) for r in range(2)]
-    print("\npeak RSS while loading (fresh process each; growth over the process after importing JAX)")
-    print("| what | RSS growth MB | parameters MB |")
-    print("|---|---:|---:|")
-    for name, r in [("whole model (pp=1)", whole), ("stage 0 of pp=2", stages[0]), ("stage 1 of pp=2", stages[1])]:
-        print(f"| {name} | {(r['peak'] - r['base']) / 2**20:.0f} | {r['param_bytes'] / 2**20:.0f} |")
-    results["rss"] = {"whole": whole, "stages": stages}
+    if not args.no_rss:
+        whole = load_rss(path, 0, 1)
+        stages = [load_rss(path, r, 2) for r in range(2)]
+        print("\npeak RSS while loading (fresh process each; growth over the process after importing JAX)")
+        print("| what | RSS growth MB | parameters MB |")
+        print("|---|---:|---:|")
+        for name, r in [("whole model (pp=1)", whole), ("stage 0 of pp=2", stages[0]), ("stage 1 of pp=2", stages[1])]:
+            print(f"| {name} | {(r['peak'] - r['base']) / 2**20:.0f} | {r['param_bytes'] / 2**20:.0f} |")
+        results["rss"] = {"whole": whole, "stages": stages}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

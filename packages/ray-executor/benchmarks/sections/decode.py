@@ -5,8 +5,10 @@ memory bandwidth), the rates measured in the same repeat as the steps (so both s
 ``StageRunner.execute`` of ``batch`` requests with 128 tokens already cached (sampling at
 temperature 1 included, until the tokens are on the host), pp=1 tp=1 on one CPU device.
 
-At the headline batch the step is split into its parts (host inputs, the jitted forward,
-sampling) and set next to the same model's dense matmuls alone (every weight matrix once,
+The runner's default decode attention is timed (on CPU: the hand-written kernel of
+``pipejax.runner.cpu_decode_attention``); at the headline batch the step is split into its parts (host
+inputs, the jitted forward, sampling), the same parts with XLA's formulation of the decode attention are
+set next to them, and set next to the same model's dense matmuls alone (every weight matrix once,
 same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
 the paged KV gather. The KV bytes the attention reads are reported next to the weights.
 
@@ -47,7 +49,7 @@ def kv_bytes(cfg, batch: int, slots: int) -> int:
 
 
 class DecodeBench:
-    def __init__(self, path: str, batches: list[int]):
+    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto"):
         import jax
 
         from pipejax.pp_utils import stage_mesh
@@ -59,7 +61,8 @@ class DecodeBench:
         cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request)
         limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches),
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
-        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits)
+        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
+                                  decode_attention=decode_attention)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 
@@ -200,6 +203,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dense_ms = dense_matmuls(cfg, b, steps) * 1e3
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
     slots = parts["shape"][4] * bench.block
+    # The same step with XLA's formulation of the decode attention (the block-table gather), side by side.
+    xla_parts = None
+    if bench.runner.decode_attention != "xla":
+        del bench
+        xla = DecodeBench(bench_model(), [b], decode_attention="xla")
+        xla.step(b)  # compile
+        xla_parts = xla.parts(b, steps)
+        del xla
     result = {
         "context": CONTEXT,
         "matmul_gflops": summary([r["flops"] / 1e9 for r in rates_all]),
@@ -211,6 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill": {"tokens": PREFILL_ROWS * PREFILL_LEN, "rows": PREFILL_ROWS, "step_ms": summary(prefill_ms),
                     "gflops": prefill_flops(cfg) / 1e9, "share_of_matmul_rate": summary(prefill_share)},
         "parts_ms": parts,
+        "decode_attention": "cpu-kernel" if xla_parts is not None else "xla",
+        "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
         "kv_gather_ms": gather_ms,
         "weight_bytes": step_cost(cfg, b)[1],

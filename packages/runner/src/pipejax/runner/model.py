@@ -10,6 +10,7 @@ F MLP width, V vocab, L stage layers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -232,21 +233,27 @@ def paged_attention(
     inp: StepInputs,
     shape: StepShape,
     sliding_window: int | None,
+    decode_kernel: Callable | None = None,
 ) -> jax.Array:
-    """Causal attention of every token against its own request's cached context. Returns [T, H, D]."""
+    """Causal attention of every token against its own request's cached context. Returns [T, H, D].
+    ``decode_kernel`` (e.g. ``cpu_decode_attention.paged_decode_attention``) replaces ``decode_attention``."""
     _, H, D = q.shape
     P = shape.prefill_rows
-    k_layer, v_layer = k_cache[layer], v_cache[layer]
     parts = []
     if P:
         rows = slice(0, P)
-        out = prefill_attention(q, k_layer, v_layer, inp.row_query_start[rows], inp.row_start_pos[rows],
-                                inp.block_tables[rows], shape.query, sliding_window)
+        out = prefill_attention(q, k_cache[layer], v_cache[layer], inp.row_query_start[rows],
+                                inp.row_start_pos[rows], inp.block_tables[rows], shape.query, sliding_window)
         parts.append(out.reshape(P * shape.query, H, D))
     if shape.decode_rows:
         rows = slice(P, P + shape.decode_rows)
-        parts.append(decode_attention(q, k_layer, v_layer, inp.row_query_start[rows], inp.row_start_pos[rows],
-                                      inp.block_tables[rows], sliding_window))
+        query_start, start_pos, tables = inp.row_query_start[rows], inp.row_start_pos[rows], inp.block_tables[rows]
+        if decode_kernel is not None:  # the whole cache goes in: a layer slice would be a copy
+            out = decode_kernel(q[query_start], k_cache, v_cache, layer, tables, start_pos, sliding_window)
+            parts.append(out.astype(q.dtype))
+        else:
+            parts.append(decode_attention(q, k_cache[layer], v_cache[layer], query_start, start_pos, tables,
+                                          sliding_window))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     return out[inp.token_out]
 
@@ -262,6 +269,7 @@ def attention(
     inv_freq: jax.Array,
     shape: StepShape,
     block_size: int,
+    decode_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     q = jnp.einsum("te,ehd->thd", x, p["q"])  # [T, H, D]
     k = jnp.einsum("te,ekd->tkd", x, p["k"])  # [T, K, D]
@@ -274,11 +282,11 @@ def attention(
     block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
-    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window)
+    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel)
     return jnp.einsum("thd,hde->te", out, p["o"]), k_cache, v_cache
 
 
-def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size):
+def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None):
     h, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
         p,
@@ -290,6 +298,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, bloc
         inv_freq,
         shape,
         block_size,
+        decode_kernel,
     )
     x = x + h
     x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p)
@@ -309,8 +318,10 @@ def stage_forward(
     stage: StageConfig,
     shape: StepShape,
     block_size: int,
+    decode_kernel: Callable | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache)."""
+    """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
+    ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
@@ -321,7 +332,7 @@ def stage_forward(
     def body(carry, layer):
         x, k_all, v_all = carry
         p, idx = layer
-        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size)
+        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel)
         return (x, k_all, v_all), None
 
     k_all, v_all = kv_cache

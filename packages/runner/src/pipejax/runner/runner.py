@@ -12,11 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
+from pipejax.runner import cpu_decode_attention
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
-from pipejax.runner.model_impl import get_model_impl
+from pipejax.runner.model_impl import NATIVE, get_model_impl
 from pipejax.runner.sampler import SamplingMetadata, to_sampler_output
 from pipejax.runner.sampler import sample as sample_tokens
 
@@ -45,6 +46,7 @@ class StageRunner:
         seed: int = 0,
         model_impl: str = "jax",
         scheduler: SchedulerConfig = SchedulerConfig(),
+        decode_attention: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -65,8 +67,22 @@ class StageRunner:
         self.num_blocks = 0
         self.kv_cache: tuple[jax.Array, jax.Array] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        forward = functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size)
+        self.decode_attention = "xla"
+        if decode_attention not in ("auto", "xla", "cpu-kernel"):
+            raise ValueError(f"decode_attention={decode_attention!r}; use 'auto', 'xla' or 'cpu-kernel'")
+        if decode_attention != "xla" and self.impl is NATIVE:
+            if cpu_decode_attention.usable(self.cfg.dtype, list(mesh.devices.flat)):
+                forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
+                self.decode_attention = "cpu-kernel"
+            elif decode_attention == "cpu-kernel":
+                raise ValueError(
+                    f"decode_attention='cpu-kernel' needs numba, CPU devices and float32 "
+                    f"(here: {mesh.devices.flat[0].platform} devices, {self.cfg.dtype}, "
+                    f"kernel {'built' if cpu_decode_attention.available() else 'not built'}); use 'auto'"
+                )
         self._step = jax.jit(
-            functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size),
+            forward,
             static_argnames=("shape",),
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),

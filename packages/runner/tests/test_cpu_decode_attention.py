@@ -1,0 +1,116 @@
+"""The CPU decode-attention kernel (an XLA FFI custom call compiled by numba) against plain numpy attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipejax.runner import cpu_decode_attention as kernel
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="numba is not installed")
+
+L, N, BLOCK, K, D = 3, 40, 16, 2, 32
+
+
+def _reference(q, k, v, layer, tables, start_pos, window):
+    """Softmax attention of each row's query heads over its visible context, one slot at a time."""
+    R, H, _ = q.shape
+    out = np.zeros_like(q)
+    for r in range(R):
+        slots = [(tables[r, c // BLOCK], c % BLOCK) for c in range(start_pos[r] + 1)]
+        if window:
+            slots = slots[max(0, start_pos[r] + 1 - window):]
+        for h in range(H):
+            kh = h // (H // K)
+            keys = np.stack([k[layer, b, o, kh] for b, o in slots])
+            values = np.stack([v[layer, b, o, kh] for b, o in slots])
+            scores = keys @ q[r, h] / np.sqrt(D)
+            p = np.exp(scores - scores.max())
+            out[r, h] = p @ values / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("heads,window", [(2, 0), (6, 0), (6, 20)])
+def test_matches_numpy_attention(heads, window):
+    rng = np.random.default_rng(heads + window)
+    R, B = 5, 6
+    k = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    v = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    q = rng.standard_normal((R, heads, D), np.float32)
+    tables = rng.integers(0, N, (R, B)).astype(np.int32)
+    start_pos = np.array([0, 1, 15, 16, B * BLOCK - 1], np.int32)  # first slot, block edges, a full table
+    step = jax.jit(kernel.paged_decode_attention, static_argnums=(6,))
+    for layer in (0, L - 1):
+        got = step(q, k, v, jnp.int32(layer), tables, start_pos, window)
+        np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, layer, tables, start_pos, window),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
+
+
+def test_used_inside_a_scan_that_updates_the_cache():
+    """The runner's shape of use: the cache is written in place each layer, then read by the kernel."""
+    rng = np.random.default_rng(1)
+    R, B, H = 3, 4, 4
+    tables = np.arange(1, 1 + R * B, dtype=np.int32).reshape(R, B)
+    start_pos = np.array([5, 30, 63], np.int32)
+    q = jnp.asarray(rng.standard_normal((L, R, H, D), np.float32))
+    new_k = jnp.asarray(rng.standard_normal((L, R, K, D), np.float32))
+    k0 = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+
+    def run(use_kernel):
+        def body(k_all, layer):
+            block, offset = tables[np.arange(R), start_pos // BLOCK], start_pos % BLOCK
+            k_all = k_all.at[layer, block, offset].set(new_k[layer])
+            if use_kernel:
+                out = kernel.paged_decode_attention(q[layer], k_all, k_all, layer, tables, start_pos, 0)
+            else:
+                out = jnp.asarray(0.0)
+            return k_all, out
+
+        return jax.jit(lambda k: jax.lax.scan(body, k, jnp.arange(L)))(jnp.asarray(k0))
+
+    k_after, outs = run(True)
+    k_ref, _ = run(False)
+    np.testing.assert_array_equal(np.asarray(k_after), np.asarray(k_ref))
+    for layer in range(L):
+        want = _reference(np.asarray(q[layer]), np.asarray(k_ref), np.asarray(k_ref), layer, tables, start_pos, 0)
+        np.testing.assert_allclose(np.asarray(outs[layer]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_runs_each_device_on_its_own_heads():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pipejax.pp_utils import stage_mesh
+
+    mesh = stage_mesh(jax.devices()[:2])
+    rng = np.random.default_rng(2)
+    R, B, H = 4, 5, 6
+    k = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    v = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    q = rng.standard_normal((R, H, D), np.float32)
+    tables = rng.integers(0, N, (R, B)).astype(np.int32)
+    start_pos = np.array([3, 17, 40, 79], np.int32)
+    on = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    cache = P(None, None, None, "tp", None)
+    step = jax.jit(kernel.for_mesh(mesh), static_argnums=(6,))
+    got = step(on(q, P(None, "tp", None)), on(k, cache), on(v, cache), jnp.int32(1), tables, start_pos, 0)
+    np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, 1, tables, start_pos, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_says_which_attention_runs_and_refuses_what_cannot(tmp_path):
+    from hf_oracle import make_hf_checkpoint
+
+    from pipejax.pp_utils import stage_mesh
+    from pipejax.runner.config import CacheConfig, ModelConfig
+    from pipejax.runner.runner import StageRunner
+
+    make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
+    mesh, cache = stage_mesh(jax.devices()[:1]), CacheConfig(num_blocks=8)
+    assert StageRunner(tmp_path, mesh, cache=cache).decode_attention == "cpu-kernel"
+    assert StageRunner(tmp_path, mesh, cache=cache, decode_attention="xla").decode_attention == "xla"
+    bf16 = ModelConfig.from_pretrained(tmp_path, dtype="bfloat16")
+    assert StageRunner(tmp_path, mesh, cache=cache, model_config=bf16).decode_attention == "xla"
+    with pytest.raises(ValueError, match="bfloat16"):
+        StageRunner(tmp_path, mesh, cache=cache, model_config=bf16, decode_attention="cpu-kernel")
+    with pytest.raises(ValueError, match="'flash'"):
+        StageRunner(tmp_path, mesh, cache=cache, decode_attention="flash")
