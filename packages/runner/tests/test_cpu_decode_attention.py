@@ -114,3 +114,35 @@ def test_the_runner_says_which_attention_runs_and_refuses_what_cannot(tmp_path):
         StageRunner(tmp_path, mesh, cache=cache, model_config=bf16, decode_attention="cpu-kernel")
     with pytest.raises(ValueError, match="'flash'"):
         StageRunner(tmp_path, mesh, cache=cache, decode_attention="flash")
+
+
+FALLBACK = """
+import logging, sys
+import jax, numpy as np
+from pipejax.runner import cpu_decode_attention, cpu_decode_kernel
+def broken():
+    raise RuntimeError("no LLVM here")
+cpu_decode_kernel.compile_handler = broken
+logging.basicConfig(level=logging.WARNING)
+rng = np.random.default_rng(0)
+k = rng.standard_normal((1, 4, 16, 2, 32), np.float32)
+q = rng.standard_normal((2, 4, 32), np.float32)
+tables, pos = np.array([[1, 2], [3, 0]], np.int32), np.array([20, 9], np.int32)
+out = jax.jit(cpu_decode_attention.paged_decode_attention, static_argnums=(6,))(q, k, k, 0, tables, pos, 0)
+np.save(sys.argv[1], np.asarray(out))
+"""
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_xla_with_a_warning(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.npy"
+    proc = subprocess.run([sys.executable, "-c", FALLBACK, str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "could not be built (RuntimeError: no LLVM here); using XLA's formulation" in proc.stderr
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 4, 16, 2, 32), np.float32)
+    q = rng.standard_normal((2, 4, 32), np.float32)
+    want = _reference(q, k, k, 0, np.array([[1, 2], [3, 0]]), np.array([20, 9]), 0)
+    np.testing.assert_allclose(np.load(out), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,140 @@
+"""The CPU decode-attention kernel itself: numba code behind an XLA FFI handler (``cpu_decode_attention``
+is the JAX side). Imported only when a CPU stage first traces a decode step, so that neither numba nor
+LLVM is loaded anywhere else, and the compile lands with the step's own compiles, not with the loading.
+
+The handler speaks XLA's typed FFI C ABI (``xla/ffi/api/c_api.h`` in jaxlib's headers) directly: it reads
+the call frame's buffers by their field offsets, answers XLA's metadata query, and returns null (success).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+# Byte offsets / 8 of the int64 fields read from XLA's FFI structs (64-bit layout of c_api.h).
+_FRAME_EXTENSION, _FRAME_STAGE, _FRAME_ARGS, _FRAME_RETS = 1, 4, 9, 14  # XLA_FFI_CallFrame
+_BUFFER_DATA, _BUFFER_RANK, _BUFFER_DIMS = 3, 4, 5  # XLA_FFI_Buffer
+_EXTENSION_TYPE, _EXTENSION_METADATA = 1, 3  # XLA_FFI_Metadata_Extension: type, then XLA_FFI_Metadata*
+_METADATA_MAJOR, _METADATA_MINOR, _METADATA_TRAITS = 6, 7, 8  # int32 fields of XLA_FFI_Metadata
+_FFI_API = (0, 3)  # XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR of jaxlib 0.10.2's headers
+_STAGE_EXECUTE, _EXTENSION_IS_METADATA = 3, 1
+ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
+
+
+@intrinsic
+def _ptr(typingctx, addr):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return types.voidptr(types.int64), codegen
+
+
+@numba.njit(inline="always")
+def _int64s(addr, n):
+    return numba.carray(_ptr(addr), (n,), np.int64)
+
+
+@numba.njit(fastmath=True, cache=True)
+def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
+    """q [R, H, D]; k_flat/v_flat: caches [L, N, block_size, K, D] (``cache_shape``) flattened; tables
+    [R, B]; start_pos [R] -> out [R, H, D]. Walks each row's blocks in order, slot by slot (no division
+    per slot), and reads each K/V slot as a contiguous run of D floats (a view per slot costs more)."""
+    R, H, D = q.shape
+    blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
+    G = H // K
+    context = tables.shape[1] * block_size
+    scale = np.float32(1.0 / math.sqrt(D))
+    block_stride, layer_base = block_size * K * D, layer * blocks * block_size * K * D
+    scores = np.empty((G, context), np.float32)
+    qs = np.empty((G, D), np.float32)
+    acc = np.empty((G, D), np.float32)
+    for r in range(R):
+        hi = min(start_pos[r] + 1, context)  # a decode row sees its own position and what precedes it
+        lo = max(0, start_pos[r] - window + 1) if window > 0 else 0
+        for kh in range(K):
+            for g in range(G):
+                for d in range(D):
+                    qs[g, d] = q[r, kh * G + g, d] * scale
+            for b in range(lo // block_size, (hi - 1) // block_size + 1):
+                block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+                for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
+                    key = block[(c - b * block_size) * K * D + kh * D:][:D]
+                    for g in range(G):
+                        s = np.float32(0.0)
+                        for d in range(D):
+                            s += qs[g, d] * key[d]
+                        scores[g, c] = s
+            for g in range(G):
+                top = scores[g, lo]
+                for c in range(lo + 1, hi):
+                    top = max(top, scores[g, c])
+                for c in range(lo, hi):
+                    scores[g, c] = math.exp(scores[g, c] - top)
+            acc[:] = 0.0
+            for b in range(lo // block_size, (hi - 1) // block_size + 1):
+                block = v_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+                for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
+                    value = block[(c - b * block_size) * K * D + kh * D:][:D]
+                    for g in range(G):
+                        p = scores[g, c]
+                        for d in range(D):
+                            acc[g, d] += p * value[d]
+            for g in range(G):
+                total = np.float32(0.0)
+                for c in range(lo, hi):
+                    total += scores[g, c]
+                for d in range(D):
+                    out[r, kh * G + g, d] = acc[g, d] / total
+
+
+@numba.njit(inline="always")
+def _buffer(args, i):
+    buf = _int64s(args[i], 6)
+    return _ptr(buf[_BUFFER_DATA]), _int64s(buf[_BUFFER_DIMS], buf[_BUFFER_RANK])
+
+
+def _handler(frame_addr):  # compiled by compile_handler; returns null: success
+    frame = _int64s(frame_addr, 15)
+    if frame[_FRAME_EXTENSION] != 0:  # XLA asking for the handler's metadata, not running it
+        ext = _int64s(frame[_FRAME_EXTENSION], 4)
+        if (ext[_EXTENSION_TYPE] & 0xFFFFFFFF) == _EXTENSION_IS_METADATA:
+            meta = numba.carray(_ptr(ext[_EXTENSION_METADATA]), (10,), np.int32)
+            meta[_METADATA_MAJOR], meta[_METADATA_MINOR], meta[_METADATA_TRAITS] = _FFI_API[0], _FFI_API[1], 0
+            return _ptr(0)
+    if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
+        return _ptr(0)
+    args = _int64s(frame[_FRAME_ARGS], ARGS)
+    rets = _int64s(frame[_FRAME_RETS], 1)
+    q_data, q_dims = _buffer(args, 0)
+    k_data, k_dims = _buffer(args, 1)
+    v_data, _ = _buffer(args, 2)
+    layer_data, _ = _buffer(args, 3)
+    t_data, t_dims = _buffer(args, 4)
+    pos_data, _ = _buffer(args, 5)
+    window_data, _ = _buffer(args, 6)
+    out_data, _ = _buffer(rets, 0)
+    q_shape = (q_dims[0], q_dims[1], q_dims[2])
+    k_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
+    k_size = k_dims[0] * k_dims[1] * k_dims[2] * k_dims[3] * k_dims[4]
+    _attend(
+        numba.carray(q_data, q_shape, np.float32),
+        numba.carray(k_data, (k_size,), np.float32),
+        numba.carray(v_data, (k_size,), np.float32),
+        k_shape,
+        numba.carray(layer_data, (1,), np.int32)[0],
+        numba.carray(t_data, (t_dims[0], t_dims[1]), np.int32),
+        numba.carray(pos_data, (q_dims[0],), np.int32),
+        numba.carray(window_data, (1,), np.int32)[0],
+        numba.carray(out_data, q_shape, np.float32),
+    )
+    return _ptr(0)
+
+
+def compile_handler():
+    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``; numba caches it on disk (~3 s the
+    first time, well under 1 s after). Keep the returned object alive as long as XLA may call it."""
+    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler)
