@@ -93,3 +93,22 @@ def test_headless_rank_api_server_processes_and_heartbeat(tmp_path):
         rc = head.stop()
         print(head.tail())
     assert rc == 0
+
+
+def test_an_engine_with_ray_stage_actors_stops_cleanly_on_sigterm(tmp_path):
+    """ray.init in the engine process installs Ray's own SIGTERM handler (sys.exit from wherever the main thread
+    is); the engine's handler must win, so stopping the server ends the engine process itself, exit code 0 (it
+    had died with -6, an abort)."""
+    args = ["--model", "builtin", "-pp", "2", "-tp", "1", "--distributed-executor-backend", "ray", "-dpb", "mp",
+            "--num-kv-blocks", "64", "--max-num-seqs", "4", "--no-warmup"]
+    server = Server(args, tmp_path / "serve.log")
+    try:
+        server.wait_healthy(timeout=240)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        assert client.completions.create(model="builtin", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        rc = server.stop()
+    log = server.log.read_text(errors="replace")
+    assert rc == 0, log[-3000:]
+    assert "engine 0 ended" in log, log[-3000:]  # run_engine_process returned: the loop saw the stop
+    assert "exited with code -" not in log and "SIGTERM received" not in log, log[-3000:]

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -58,6 +59,7 @@ class EngineCore:
         self.stop_event = threading.Event()
         self.dead: str | None = None
         self.engine = None
+        self.on_engine_built: Callable[[], None] | None = None  # called in run() once the engine exists
         self._clients: dict[str, int] = {}  # request id -> API server index
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
@@ -68,6 +70,8 @@ class EngineCore:
     def run(self) -> str:
         """Build the engine, announce it, serve until told to stop or the engine dies; returns why it ended."""
         self.engine = self.build_engine()
+        if self.on_engine_built is not None:
+            self.on_engine_built()
         ctx = zmq.Context()
         dealers, pushes = [], []
         for i in range(self.addresses.api_server_count):
@@ -259,9 +263,16 @@ def run_engine_process(config: EngineConfig, index: int, addresses: DPAddresses,
     """Backend ``mp``: the body of a local engine process (``multiprocessing`` spawn target); SIGTERM stops it."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{index} %(levelname)s %(message)s")
     core = EngineCore(config, index, addresses, warmup)
+
+    def stop_on_sigterm() -> None:
+        signal.signal(signal.SIGTERM, lambda *_: core.stop_event.set())
+
     # Ctrl-C reaches the whole process group: the launcher decides when engines stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: core.stop_event.set())
+    stop_on_sigterm()
+    # ray.init (inside the engine's build) installs its own SIGTERM handler, sys.exit from wherever the main
+    # thread is, which aborted the process at shutdown (exit code -6): ours goes back once the engine is built.
+    core.on_engine_built = stop_on_sigterm
     reason = core.run()
     log.info("engine %d ended: %s", index, reason)
     if core.dead:
