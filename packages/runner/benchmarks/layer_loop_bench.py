@@ -10,9 +10,10 @@ place), so a weight-bound step reads and writes every weight once more than it n
 2026-12-01 (2 CPUs, 324 MiB of weights): batch 1, scan 33.5 ms (10.1 GB/s) / per-layer arrays 16.1 ms
 (21.1 GB/s) / static slices 109.2 ms; batch 64, 91.9 / 71.6 / 171.0 ms.
 
-Tried in the runner (per-layer parameter arrays, the layer loop unrolled): the benchmark model's decode
-step went 28.4 -> 21.0 ms at batch 1 but 143.5 -> 152.8 ms at batch 64, and each step shape compiled
-1.5-2.6x longer (1.05 -> 2.71 s at batch 1); not kept.
+Tried in the runner (per-layer parameter arrays, the layer loop unrolled), an A/B of a change that was not
+kept, so no command in this repository reproduces it: the benchmark model's decode step went 28.4 -> 21.0
+ms at batch 1 but 143.5 -> 152.8 ms at batch 64, and each step shape compiled 1.5-2.6x longer (1.05 ->
+2.71 s at batch 1).
 """
 
 from __future__ import annotations

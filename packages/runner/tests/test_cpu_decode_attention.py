@@ -7,8 +7,6 @@ import pytest
 
 from pipejax.runner import cpu_decode_attention as kernel
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="numba is not installed")
-
 L, N, BLOCK, K, D = 3, 40, 16, 2, 32
 
 

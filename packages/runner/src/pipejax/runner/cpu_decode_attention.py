@@ -8,7 +8,8 @@ for the weighted values.
 
 Nothing is compiled at install time: the first decode step traced on a CPU stage imports numba and
 builds the handler (cached on disk); if that fails, a warning says so and XLA's formulation is traced
-instead. Used only on CPU, for float32 caches (with tp > 1, each device runs it on its own heads under
+instead (the runner's ``decode_attention`` still names the kernel: it is chosen before the first trace).
+Used only on CPU, for float32 caches (with tp > 1, each device runs it on its own heads under
 ``shard_map``); anything else keeps the XLA formulation.
 """
 

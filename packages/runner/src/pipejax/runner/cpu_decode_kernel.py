@@ -22,7 +22,7 @@ _EXTENSION_TYPE, _EXTENSION_METADATA = 1, 3  # XLA_FFI_Metadata_Extension: type,
 _METADATA_MAJOR, _METADATA_MINOR, _METADATA_TRAITS = 6, 7, 8  # int32 fields of XLA_FFI_Metadata
 _FFI_API = (0, 3)  # XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR of jaxlib 0.10.2's headers
 _STAGE_EXECUTE, _EXTENSION_IS_METADATA = 3, 1
-ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
+_ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
 
 
 @intrinsic
@@ -107,7 +107,7 @@ def _handler(frame_addr):  # compiled by compile_handler; returns null: success
             return _ptr(0)
     if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
         return _ptr(0)
-    args = _int64s(frame[_FRAME_ARGS], ARGS)
+    args = _int64s(frame[_FRAME_ARGS], _ARGS)
     rets = _int64s(frame[_FRAME_RETS], 1)
     q_data, q_dims = _buffer(args, 0)
     k_data, k_dims = _buffer(args, 1)
@@ -135,6 +135,6 @@ def _handler(frame_addr):  # compiled by compile_handler; returns null: success
 
 
 def compile_handler():
-    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``; numba caches it on disk (~3 s the
-    first time, well under 1 s after). Keep the returned object alive as long as XLA may call it."""
+    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``; numba caches it on disk (about 3 s
+    the first time, about 1 s after). Keep the returned object alive as long as XLA may call it."""
     return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler)

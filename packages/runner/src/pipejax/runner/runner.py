@@ -68,19 +68,9 @@ class StageRunner:
         self.kv_cache: tuple[jax.Array, jax.Array] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
         forward = functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size)
-        self.decode_attention = "xla"
-        if decode_attention not in ("auto", "xla", "cpu-kernel"):
-            raise ValueError(f"decode_attention={decode_attention!r}; use 'auto', 'xla' or 'cpu-kernel'")
-        if decode_attention != "xla" and self.impl is NATIVE:
-            if cpu_decode_attention.usable(self.cfg.dtype, list(mesh.devices.flat)):
-                forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
-                self.decode_attention = "cpu-kernel"
-            elif decode_attention == "cpu-kernel":
-                raise ValueError(
-                    f"decode_attention='cpu-kernel' needs numba, CPU devices and float32 "
-                    f"(here: {mesh.devices.flat[0].platform} devices, {self.cfg.dtype}, "
-                    f"kernel {'built' if cpu_decode_attention.available() else 'not built'}); use 'auto'"
-                )
+        self.decode_attention = self._choose_decode_attention(decode_attention)
+        if self.decode_attention == "cpu-kernel":
+            forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
         self._step = jax.jit(
             forward,
             static_argnames=("shape",),
@@ -89,6 +79,19 @@ class StageRunner:
         )
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
+
+    def _choose_decode_attention(self, wanted: str) -> str:
+        """"cpu-kernel" or "xla" (the model implementation's own, for non-native ones) for ``wanted``."""
+        if wanted not in ("auto", "xla", "cpu-kernel"):
+            raise ValueError(f"decode_attention={wanted!r}; use 'auto', 'xla' or 'cpu-kernel'")
+        fits = self.impl is NATIVE and cpu_decode_attention.usable(self.cfg.dtype, list(self.mesh.devices.flat))
+        if wanted == "cpu-kernel" and not fits:
+            raise ValueError(
+                f"decode_attention='cpu-kernel' needs the native model implementation, CPU devices, float32 and "
+                f"numba (here: {self.impl.name!r}, {self.mesh.devices.flat[0].platform} devices, {self.cfg.dtype}, "
+                f"numba {'installed' if cpu_decode_attention.available() else 'missing'}); use 'auto'"
+            )
+        return "cpu-kernel" if wanted != "xla" and fits else "xla"
 
     # --- KV cache ---------------------------------------------------------------------------
 

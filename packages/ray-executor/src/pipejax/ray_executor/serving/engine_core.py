@@ -48,8 +48,9 @@ SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last ou
 
 class EngineCore:
     def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
-                 node_id: str = "", placement_group=None):
-        """``placement_group``: the DP rank's group its stage actors go in (backend ``ray``)."""
+                 node_id: str = "", placement_group=None, on_engine_built: Callable[[], None] | None = None):
+        """``placement_group``: the DP rank's group its stage actors go in (backend ``ray``);
+        ``on_engine_built``: called in ``run`` once the engine exists."""
         self.config = config
         self.placement_group = placement_group
         self.index = index
@@ -59,7 +60,7 @@ class EngineCore:
         self.stop_event = threading.Event()
         self.dead: str | None = None
         self.engine = None
-        self.on_engine_built: Callable[[], None] | None = None  # called in run() once the engine exists
+        self.on_engine_built = on_engine_built
         self._clients: dict[str, int] = {}  # request id -> API server index
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
@@ -262,17 +263,16 @@ class EngineCoreActor:
 def run_engine_process(config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool) -> None:
     """Backend ``mp``: the body of a local engine process (``multiprocessing`` spawn target); SIGTERM stops it."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{index} %(levelname)s %(message)s")
-    core = EngineCore(config, index, addresses, warmup)
 
     def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda *_: core.stop_event.set())
 
+    # ray.init (inside the engine's build) installs its own SIGTERM handler, sys.exit from wherever the main
+    # thread is, which aborted the process at shutdown (exit code -6): ours goes back once the engine is built.
+    core = EngineCore(config, index, addresses, warmup, on_engine_built=stop_on_sigterm)
     # Ctrl-C reaches the whole process group: the launcher decides when engines stop (SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop_on_sigterm()
-    # ray.init (inside the engine's build) installs its own SIGTERM handler, sys.exit from wherever the main
-    # thread is, which aborted the process at shutdown (exit code -6): ours goes back once the engine is built.
-    core.on_engine_built = stop_on_sigterm
     reason = core.run()
     log.info("engine %d ended: %s", index, reason)
     if core.dead:
