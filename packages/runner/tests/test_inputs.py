@@ -34,12 +34,15 @@ def test_mixed_step_pads_decode_group_to_the_largest_bucket_and_short_chunks_to_
 
     inp = build_step_inputs(ModelBatch(0, reqs), shape, BLOCK)
     P, Q = shape.prefill_rows, shape.query
-    # prefill requests take attention rows 0, 1 in order; decode requests rows P, P + 1
-    assert list(inp.row_query_start[[0, 1, P, P + 1]]) == [1, 102, 0, 101]
-    assert list(inp.row_start_pos[[0, 1, P, P + 1]]) == [0, 16, 40, 70]
-    # each token's attention output: prefill row r, column c -> r * Q + c; decode row d -> P * Q + d
+    # prefill requests take attention rows 0, 1 in order, right-aligned in their Q slots (100 and 30
+    # tokens: 28 and 98 padding slots first, so the rows' slot 0 lies before their first token);
+    # decode requests rows P, P + 1
+    assert list(inp.row_query_start[[0, 1, P, P + 1]]) == [1 - 28, 102 - 98, 0, 101]
+    assert list(inp.row_start_pos[[0, 1, P, P + 1]]) == [0 - 28, 16 - 98, 40, 70]
+    # each token's attention output: prefill row r, slot s -> r * Q + s; decode row d -> P * Q + d
     assert inp.token_out[0] == P * Q and inp.token_out[101] == P * Q + 1
-    assert list(inp.token_out[1:4]) == [0, 1, 2] and list(inp.token_out[102:104]) == [Q, Q + 1]
+    assert list(inp.token_out[1:4]) == [28, 29, 30] and list(inp.token_out[102:104]) == [Q + 98, Q + 99]
+    assert inp.token_out[100] == Q - 1 and inp.token_out[131] == 2 * Q - 1  # each prompt's last token
     # logits rows stay in the batch's request order
     assert list(inp.sample_index[:4]) == [0, 100, 101, 131]
     assert np.all(inp.block_tables[P, :3] == [1, 2, 3])

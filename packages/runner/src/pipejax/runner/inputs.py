@@ -96,7 +96,8 @@ def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> S
     """Host (numpy) arrays for the padded step; padding tokens write to the reserved block 0.
 
     Requests keep their order in the token stream and in ``sample_index``; their attention rows are
-    grouped: prefill requests (more than one query token) in rows [0, P), decode requests after P."""
+    grouped: prefill requests (more than one query token) in rows [0, P), right-aligned in their Q query
+    slots (``model.prefill_attention`` relies on it), decode requests after P."""
     T, P, Q, _, B = shape
     R = shape.rows
     token_ids = np.zeros(T, np.int32)
@@ -118,9 +119,11 @@ def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> S
                 f"request {req.request_id!r} reaches position {req.end_position} but its block table holds "
                 f"{len(req.block_table)} blocks of {block_size}; the scheduler must allocate {needed}"
             )
+        pad = 0  # query slots before the row's first token (prefill rows are right-aligned)
         if n > 1:
             row, next_prefill = next_prefill, next_prefill + 1
-            token_out[t : t + n] = row * Q + np.arange(n)
+            pad = Q - n
+            token_out[t : t + n] = row * Q + pad + np.arange(n)
         else:
             row, next_decode = next_decode, next_decode + 1
             token_out[t] = P * Q + row - P
@@ -129,8 +132,8 @@ def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> S
         token_ids[t : t + n] = req.token_ids
         positions[t : t + n] = pos
         slot_mapping[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        row_query_start[row] = t
-        row_start_pos[row] = req.start_position
+        row_query_start[row] = t - pad
+        row_start_pos[row] = req.start_position - pad
         block_tables[row, :needed] = table
         sample_index[i] = t + n - 1
         t += n

@@ -124,8 +124,10 @@ class StepInputs(NamedTuple):
     positions: jax.Array  # [T] int32
     slot_mapping: jax.Array  # [T] int32: cache slot each token's K/V is written to (padding -> slot 0)
     token_out: jax.Array  # [T] int32: the token's index in the attention output [P * Q + Rd]
-    row_query_start: jax.Array  # [P + Rd] int32: flat index of the row's first token
-    row_start_pos: jax.Array  # [P + Rd] int32: position of the row's first token this step
+    row_query_start: jax.Array  # [P + Rd] int32: flat index of the row's first query slot (see below)
+    row_start_pos: jax.Array  # [P + Rd] int32: position of the row's first query slot this step
+    # A prefill row is right-aligned in its Q query slots (its last token in slot Q - 1), so for a row of
+    # n < Q tokens both fields point n - Q before its first token (negative values are padding slots).
     block_tables: jax.Array  # [P + Rd, B] int32 (padding -> block 0)
     sample_index: jax.Array  # [P + Rd] int32: flat index of request i's last token (logits are taken there)
 
@@ -185,23 +187,42 @@ def _visible(ctx: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> ja
     return visible
 
 
+PREFILL_QUERY_CHUNKS = 8  # at most: each chunk is one more pair of batched matmuls to compile
+PREFILL_MIN_CHUNK = 16  # query tokens; smaller chunks cost more in per-matmul overhead than they skip
+
+
 def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables, query_len, sliding_window):
-    """Rows of up to ``query_len`` tokens: gather each row's context [R, C, K, D], dense scores.
+    """Rows of up to ``query_len`` tokens, right-aligned (a row's last token sits in query slot Q - 1, so
+    ``query_start``/``start_pos`` are those of slot 0 and may be negative for a short row). Each row's
+    context is gathered once [R, K, C, D]; the queries sharing a KV head are one matmul operand (GQA), and
+    the query slots go in chunks that each score only the context a right-aligned row can see from them:
+    chunk [lo, hi) ends at context slot C - Q + hi, which skips most of the causal triangle a dense
+    [Q, C] block computes and throws away (on XLA:CPU: 270 -> 85 ms for 16 x 128 tokens, 12 layers).
     q [T, H, D], k_layer/v_layer [N, block_size, K, D]. Returns [R, Q, H, D]."""
     T, H, D = q.shape
     _, block_size, K, _ = k_layer.shape
     R, B = block_tables.shape
-    C = B * block_size
+    C, G = B * block_size, H // K
     cols = jnp.arange(query_len)
-    q_rows = q[jnp.clip(query_start[:, None] + cols[None, :], 0, T - 1)].reshape(R, query_len, K, H // K, D)
-    keys = k_layer[block_tables].reshape(R, C, K, D)
-    values = v_layer[block_tables].reshape(R, C, K, D)
-    scores = jnp.einsum("rqkgd,rckd->rkgqc", q_rows, keys, preferred_element_type=jnp.float32) * (D**-0.5)
-    q_pos = start_pos[:, None] + cols[None, :]  # [R, Q]
-    visible = _visible(jnp.arange(C)[None, None, :], q_pos[:, :, None], sliding_window)  # [R, Q, C]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)  # [R, K, G, Q, C]
-    return jnp.einsum("rkgqc,rckd->rqkgd", probs, values).reshape(R, query_len, H, D)
+    q_rows = q[jnp.clip(query_start[:, None] + cols[None, :], 0, T - 1)].reshape(R, query_len, K, G, D)
+    q_rows = q_rows.transpose(0, 2, 1, 3, 4) * (D**-0.5)  # [R, K, Q, G, D]
+    keys = k_layer[block_tables].reshape(R, C, K, D).transpose(0, 2, 1, 3)  # [R, K, C, D]
+    values = v_layer[block_tables].reshape(R, C, K, D).transpose(0, 2, 1, 3)
+    q_pos = jnp.maximum(start_pos[:, None] + cols[None, :], 0)  # [R, Q]; padding slots see slot 0 (no NaN)
+    step = max(PREFILL_MIN_CHUNK, -(-query_len // PREFILL_QUERY_CHUNKS))
+    outs = []
+    for lo in range(0, query_len, step):
+        hi = min(lo + step, query_len)
+        c_hi = min(C, max(1, C - query_len + hi))  # < 1 only for chunks that are padding in every row
+        scores = jnp.einsum("rkmd,rkcd->rkmc", q_rows[:, :, lo:hi].reshape(R, K, (hi - lo) * G, D),
+                            keys[:, :, :c_hi], preferred_element_type=jnp.float32)
+        visible = _visible(jnp.arange(c_hi)[None, None, :], q_pos[:, lo:hi, None], sliding_window)  # [R, m, c]
+        visible = jnp.repeat(visible, G, axis=1)[:, None]  # [R, 1, m * G, c], in the queries' (slot, group) order
+        probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(values.dtype)
+        out = jnp.einsum("rkmc,rkcd->rkmd", probs, values[:, :, :c_hi])
+        outs.append(out.reshape(R, K, hi - lo, G, D))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)  # [R, K, Q, G, D]
+    return out.transpose(0, 2, 1, 3, 4).reshape(R, query_len, H, D)
 
 
 def decode_attention(q, k_layer, v_layer, query_start, start_pos, block_tables, sliding_window):
