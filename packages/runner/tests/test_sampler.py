@@ -227,3 +227,35 @@ def test_bisection_cut_keeps_the_same_set_as_a_sort():
             num = max(int(np.sum(np.cumsum(probs) - probs < top_p[row])), 1)
             keep &= scaled[row] >= ordered[num - 1]
         np.testing.assert_array_equal(kept[row], keep, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize("vocab", [32000, 1000, 128 * 3 + 1])
+def test_two_level_argmax_and_inverse_cdf_match_numpy(vocab):
+    """The blockwise argmax and running sum agree with numpy's, padded tails and block edges included."""
+    from pipejax.runner.sampler import _argmax, _inverse_cdf
+
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0.0, 3.0, (6, vocab)).astype(np.float32)
+    logits[1, [127, 128, vocab - 1]] = 99.0  # a tie across a block edge: the lowest index wins
+    logits[2, vocab - 1] = 99.0  # the max in the padded last block
+    np.testing.assert_array_equal(np.asarray(_argmax(logits)), np.argmax(logits, axis=-1))
+
+    # Small integer weights: every running sum is exact in fp32, so the counts must agree exactly.
+    weights = rng.integers(0, 4, (6, vocab)).astype(np.float32)
+    weights[3, :] = 0.0
+    weights[3, [5, vocab - 1]] = 1.0  # two tokens at the ends
+    uniform = np.array([0.0, 0.25, 0.5, 0.5, 0.999, 1.0], np.float32)
+    cdf = np.cumsum(weights, axis=-1)
+    expected = np.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
+    np.testing.assert_array_equal(np.asarray(_inverse_cdf(weights, uniform)), expected)
+
+
+def test_no_logprobs_wanted_gives_the_same_tokens():
+    logits = _logits(7)
+    rows = [(SamplingParams(temperature=1.0, seed=i), 0, f"r{i}") for i in range(ROWS)]
+    meta = SamplingMetadata.build(rows, ROWS, 0)
+    bare = sample(logits, meta, num_logprobs=None)
+    np.testing.assert_array_equal(np.asarray(bare.tokens), np.asarray(sample(logits, meta, num_logprobs=0).tokens))
+    assert bare.top_ids.shape == (ROWS, 0)
+    out = to_sampler_output(0, [f"r{i}" for i in range(ROWS)], bare, ROWS, [None] * ROWS)
+    assert out.token_ids == tuple(np.asarray(bare.tokens).tolist())

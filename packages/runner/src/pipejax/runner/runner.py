@@ -196,8 +196,9 @@ class StageRunner:
         rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
         meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
         wanted = [r.sampling.logprobs for r in batch.requests]
-        most = max((n for n in wanted if n is not None), default=0)
-        num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most)
+        asked = [n for n in wanted if n is not None]
+        most = max(asked, default=0)
+        num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
         result = sample_tokens(logits, meta, num_logprobs=num_logprobs)
         out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]

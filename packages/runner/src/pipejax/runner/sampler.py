@@ -137,13 +137,54 @@ def _top_k_top_p_cut(scaled: jax.Array, bits: jax.Array, top_k: jax.Array, top_p
     return jnp.maximum(k_cut, p_cut)
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """Row argmax, lowest index on ties (like torch.argmax).
+_VOCAB_BLOCK = 128  # the two-level reductions below work on [R, V / 128, 128]
 
-    ``lax.top_k(x, 1)`` is ~2x faster than ``jnp.argmax`` on XLA:CPU. Keep it apart from the
-    top-N logprobs' top_k: sharing one top_k for both made XLA:CPU fall back to a full sort.
+
+def _vocab_blocks(x: jax.Array, fill) -> jax.Array:
+    """[R, V] -> [R, ceil(V / 128), 128], the tail padded with ``fill``."""
+    rows, vocab = x.shape
+    pad = -vocab % _VOCAB_BLOCK
+    if pad:
+        x = jnp.concatenate([x, jnp.full((rows, pad), fill, x.dtype)], axis=-1)
+    return x.reshape(rows, -1, _VOCAB_BLOCK)
+
+
+def _first_index(hits: jax.Array) -> jax.Array:
+    """Per row, the first index along the last axis where ``hits`` holds (its length where none does)."""
+    n = hits.shape[-1]
+    return jnp.min(jnp.where(hits, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """Row argmax, lowest index on ties (like torch.argmax).  # i32[R]
+
+    Two levels: the first 128-wide block holding the row's max, then the first max in it. On XLA:CPU
+    at [64, 32000] this is 0.4 ms against 4.5 for ``lax.top_k(x, 1)`` and 4.9 for ``jnp.argmax``.
     """
-    return jax.lax.top_k(x, 1)[1][:, 0].astype(jnp.int32)
+    blocks = _vocab_blocks(x, -jnp.inf)
+    block_max = jnp.max(blocks, axis=-1)  # [R, nb]
+    top = jnp.max(block_max, axis=-1, keepdims=True)
+    block = jnp.minimum(_first_index(block_max == top), blocks.shape[1] - 1)  # a NaN row: no hit, stay in range
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [R, 128]
+    index = block * _VOCAB_BLOCK + _first_index(inner == top)
+    return jnp.minimum(index, x.shape[-1] - 1)
+
+
+def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
+    """Per row, how many tokens' running weight sum stays <= ``uniform`` x the row's total.  # i32[R]
+
+    The running sum is taken in two levels (block sums, then inside the one block the draw falls in)
+    instead of a cumsum over the vocabulary, which on XLA:CPU costs 7.9 ms at [64, 32000] (0.4 ms here).
+    """
+    blocks = _vocab_blocks(weights, 0.0)
+    block_sums = jnp.sum(blocks, axis=-1)  # [R, nb]
+    block_ends = jnp.cumsum(block_sums, axis=-1)
+    target = (uniform * block_ends[:, -1])[:, None]
+    block = jnp.minimum(jnp.sum(block_ends <= target, axis=-1, dtype=jnp.int32), blocks.shape[1] - 1)
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [R, 128]
+    before = jnp.take_along_axis(block_ends - block_sums, block[:, None], axis=1)  # [R, 1]
+    count = block * _VOCAB_BLOCK + jnp.sum(before + jnp.cumsum(inner, axis=-1) <= target, axis=-1, dtype=jnp.int32)
+    return jnp.minimum(count, weights.shape[-1])  # not into the padding
 
 
 def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array) -> jax.Array:
@@ -154,8 +195,13 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
     """
     temperature = jnp.where(greedy, 1.0, meta.temperature)
     scaled = logits / temperature[:, None]  # [R, V]
-    top = jnp.max(scaled, axis=-1, keepdims=True)
-    scaled = jnp.where(jnp.exp(scaled - top) < meta.min_p[:, None], -jnp.inf, scaled)
+    min_p = jnp.where(greedy, 0.0, meta.min_p)
+
+    def drop_below_min_p():
+        top = jnp.max(scaled, axis=-1, keepdims=True)
+        return jnp.where(jnp.exp(scaled - top) < min_p[:, None], -jnp.inf, scaled)
+
+    scaled = jax.lax.cond(jnp.any(min_p > 0), drop_below_min_p, lambda: scaled)
 
     top_k = jnp.where(greedy, 0, meta.top_k)
     top_p = jnp.where(greedy, 1.0, meta.top_p)
@@ -166,16 +212,16 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
     keys = jax.random.wrap_key_data(jnp.asarray(meta.keys, jnp.uint32), impl="threefry2x32")
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # [R]
     weights = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [R, V], 0 where filtered
-    cdf = jnp.cumsum(weights, axis=-1)
-    # The first index whose cdf exceeds u * total: a filtered (zero-weight) token can never be it.
-    token = jnp.sum(cdf <= (uniform * cdf[:, -1])[:, None], axis=-1)
+    # The first index whose running sum exceeds u * total: a filtered (zero-weight) token can never be it.
+    token = _inverse_cdf(weights, uniform)
     # u * total can round up to the total: never step past the last token that has weight.
-    last_kept = weights.shape[-1] - 1 - _argmax(jnp.flip(weights > 0, axis=-1).astype(jnp.float32))
+    last_kept = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[-1], dtype=jnp.int32), 0), axis=-1)
     return jnp.minimum(token, last_kept).astype(jnp.int32)
 
 
-def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int) -> SampleResult:
+def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int | None) -> SampleResult:
     logits = logits.astype(jnp.float32)  # [R, V]
+    rows = logits.shape[0]
     greedy = meta.temperature < GREEDY_TEMPERATURE  # [R]
     greedy_tokens = _argmax(logits)
     tokens = jax.lax.cond(
@@ -183,24 +229,29 @@ def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int) -> Sam
         lambda: greedy_tokens,
         lambda: jnp.where(greedy, greedy_tokens, _random_tokens(logits, meta, greedy)),
     )
+    if num_logprobs is None:  # no row wants logprobs: the tokens alone
+        none = jnp.zeros((rows, 0))
+        return SampleResult(tokens, jnp.zeros(rows), none.astype(jnp.int32), none, jnp.zeros(rows, jnp.int32))
 
-    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    log_norm = (top + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)))[:, 0]  # [R]
     sampled_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     sampled_logprob = sampled_logit - log_norm
     sampled_rank = 1 + jnp.sum(logits > sampled_logit[:, None], axis=-1, dtype=jnp.int32)
     if num_logprobs > 0:
         top_values, top_ids = jax.lax.top_k(logits, num_logprobs)  # [R, N]
     else:
-        top_values, top_ids = jnp.zeros((logits.shape[0], 0)), jnp.zeros((logits.shape[0], 0))
+        top_values, top_ids = jnp.zeros((rows, 0)), jnp.zeros((rows, 0))
     top_logprobs = (top_values - log_norm[:, None]).astype(jnp.float32)
     return SampleResult(tokens, sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, sampled_rank)
 
 
 sample = jax.jit(_sample, static_argnames=("num_logprobs",))
-sample.__doc__ = """sample(logits f32[R, V], meta, num_logprobs: int) -> SampleResult (jitted).
+sample.__doc__ = """sample(logits f32[R, V], meta, num_logprobs: int | None) -> SampleResult (jitted).
 
 ``num_logprobs`` (static) is how many top raw logprobs to return per row; use the largest any
-row asked for (bucket it to bound recompiles).
+row asked for (bucket it to bound recompiles). None: no row wants logprobs, so only ``tokens`` is
+computed (the other fields are zeros, and the top-N ones empty).
 """
 
 
