@@ -118,8 +118,11 @@ FALLBACK = """
 import logging, sys
 import jax, numpy as np
 from pipejax.runner import cpu_decode_attention, cpu_decode_kernel
-def broken():
-    raise RuntimeError("no LLVM here")
+build = cpu_decode_kernel.compile_handler
+def broken(parallel=False):
+    if parallel or sys.argv[2] == "no-llvm":
+        raise RuntimeError("no LLVM here" if sys.argv[2] == "no-llvm" else "no TBB here")
+    return build(parallel=False)
 cpu_decode_kernel.compile_handler = broken
 logging.basicConfig(level=logging.WARNING)
 rng = np.random.default_rng(0)
@@ -131,16 +134,57 @@ np.save(sys.argv[1], np.asarray(out))
 """
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_to_xla_with_a_warning(tmp_path):
+@pytest.mark.parametrize("missing,warning", [
+    ("no-llvm", "could not be built (RuntimeError: no LLVM here); using XLA's formulation"),
+    ("no-tbb", "runs on one thread: its parallel build failed (RuntimeError: no TBB here)"),
+])
+def test_a_kernel_that_cannot_be_built_falls_back_with_a_warning(tmp_path, missing, warning):
+    """No numba build at all: XLA's formulation; no TBB: the kernel on the calling thread. Same results."""
     import subprocess
     import sys
 
     out = tmp_path / "out.npy"
-    proc = subprocess.run([sys.executable, "-c", FALLBACK, str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", FALLBACK, str(out), missing], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "could not be built (RuntimeError: no LLVM here); using XLA's formulation" in proc.stderr
+    assert warning in proc.stderr
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, 4, 16, 2, 32), np.float32)
     q = rng.standard_normal((2, 4, 32), np.float32)
     want = _reference(q, k, k, 0, np.array([[1, 2], [3, 0]]), np.array([20, 9]), 0)
     np.testing.assert_allclose(np.load(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_concurrent_callers_each_get_their_own_rows():
+    """In-process pipeline stages run the kernel from two threads at once (its parallel loop on TBB)."""
+    import threading
+
+    rng = np.random.default_rng(3)
+    R, B, H = 8, 6, 4
+    k = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    v = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    tables = rng.integers(0, N, (R, B)).astype(np.int32)
+    start_pos = rng.integers(0, B * BLOCK, R).astype(np.int32)
+    queries = [rng.standard_normal((R, H, D), np.float32) for _ in range(2)]
+    want = [_reference(q, k, v, 1, tables, start_pos, 0) for q in queries]
+    step = jax.jit(kernel.paged_decode_attention, static_argnums=(6,))
+    step(queries[0], k, v, jnp.int32(1), tables, start_pos, 0).block_until_ready()  # compile once
+    errors = []
+
+    def caller(i):
+        try:
+            for _ in range(50):
+                got = step(queries[i], k, v, jnp.int32(1), tables, start_pos, 0)
+                np.testing.assert_allclose(np.asarray(got), want[i], rtol=1e-5, atol=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    import numba
+
+    assert numba.threading_layer() == "tbb"  # the parallel build ran (tbb is a dependency)

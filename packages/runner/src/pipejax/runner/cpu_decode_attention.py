@@ -4,7 +4,8 @@ XLA:CPU compiles the block-table gather of ``model.decode_attention`` to loop co
 a fraction of the machine's bandwidth (BENCHMARKS.md, decode section). The kernel
 (``cpu_decode_kernel``) walks each row's block table itself and reads every K and V slot it needs once,
 straight from the cache buffers: one pass for the scores of all query heads that share a KV head, one
-for the weighted values.
+for the weighted values. The (row, KV head) pairs are spread over numba's threads on TBB (the ``tbb``
+wheel; one thread, with a warning, where it cannot be loaded).
 
 Nothing is compiled at install time: the first decode step traced on a CPU stage imports numba and
 builds the handler (cached on disk); if that fails, a warning says so and XLA's formulation is traced
@@ -40,13 +41,23 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
+def _build() -> Any:
+    """The handler over numba's threads on TBB; where TBB cannot be loaded, on the calling thread."""
+    from pipejax.runner import cpu_decode_kernel
+
+    try:
+        return cpu_decode_kernel.compile_handler(parallel=True)
+    except Exception as e:  # noqa: BLE001 - no usable TBB: the kernel still runs, on one thread
+        log.warning("the CPU decode-attention kernel runs on one thread: its parallel build failed (%s: %s)",
+                    type(e).__name__, e)
+        return cpu_decode_kernel.compile_handler(parallel=False)
+
+
 @functools.cache
 def _handler() -> Any:
     """Build and register the handler once; None (with a warning) where numba cannot build it."""
     try:
-        from pipejax.runner import cpu_decode_kernel
-
-        handler = cpu_decode_kernel.compile_handler()
+        handler = _build()
     except Exception as e:  # noqa: BLE001 - a numba/LLVM that cannot build it: XLA's formulation stays
         log.warning("the CPU decode-attention kernel could not be built (%s: %s); using XLA's formulation",
                     type(e).__name__, e)

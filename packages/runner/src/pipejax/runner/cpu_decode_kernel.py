@@ -8,6 +8,7 @@ the call frame's buffers by their field offsets, answers XLA's metadata query, a
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import numba
@@ -38,57 +39,77 @@ def _int64s(addr, n):
     return numba.carray(_ptr(addr), (n,), np.int64)
 
 
-@numba.njit(fastmath=True, cache=True)
-def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
-    """q [R, H, D]; k_flat/v_flat: caches [L, N, block_size, K, D] (``cache_shape``) flattened; tables
-    [R, B]; start_pos [R] -> out [R, H, D]. Walks each row's blocks in order, slot by slot (no division
-    per slot), and reads each K/V slot as a contiguous run of D floats (a view per slot costs more)."""
-    R, H, D = q.shape
+@numba.njit(fastmath=True, inline="always")
+def _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh, scores, qs, acc):
+    """Row ``r``'s query heads that share KV head ``kh``: q [R, H, D]; k_flat/v_flat: caches
+    [L, N, block_size, K, D] (``cache_shape``) flattened; tables [R, B]; start_pos [R] -> out[r, heads]. Walks
+    the row's blocks in order, slot by slot (no division per slot), and reads each K/V slot as a contiguous run
+    of D floats (a view per slot costs more). scores [G, B * block_size], qs and acc [G, D]: scratch."""
+    _, H, D = q.shape
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
     context = tables.shape[1] * block_size
     scale = np.float32(1.0 / math.sqrt(D))
     block_stride, layer_base = block_size * K * D, layer * blocks * block_size * K * D
-    scores = np.empty((G, context), np.float32)
-    qs = np.empty((G, D), np.float32)
-    acc = np.empty((G, D), np.float32)
-    for r in range(R):
-        hi = min(start_pos[r] + 1, context)  # a decode row sees its own position and what precedes it
-        lo = max(0, start_pos[r] - window + 1) if window > 0 else 0
-        for kh in range(K):
+    hi = min(start_pos[r] + 1, context)  # a decode row sees its own position and what precedes it
+    lo = max(0, start_pos[r] - window + 1) if window > 0 else 0
+    for g in range(G):
+        for d in range(D):
+            qs[g, d] = q[r, kh * G + g, d] * scale
+    for b in range(lo // block_size, (hi - 1) // block_size + 1):
+        block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+        for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
+            key = block[(c - b * block_size) * K * D + kh * D:][:D]
             for g in range(G):
+                s = np.float32(0.0)
                 for d in range(D):
-                    qs[g, d] = q[r, kh * G + g, d] * scale
-            for b in range(lo // block_size, (hi - 1) // block_size + 1):
-                block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
-                for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-                    key = block[(c - b * block_size) * K * D + kh * D:][:D]
-                    for g in range(G):
-                        s = np.float32(0.0)
-                        for d in range(D):
-                            s += qs[g, d] * key[d]
-                        scores[g, c] = s
+                    s += qs[g, d] * key[d]
+                scores[g, c] = s
+    for g in range(G):
+        top = scores[g, lo]
+        for c in range(lo + 1, hi):
+            top = max(top, scores[g, c])
+        for c in range(lo, hi):
+            scores[g, c] = math.exp(scores[g, c] - top)
+    acc[:] = 0.0
+    for b in range(lo // block_size, (hi - 1) // block_size + 1):
+        block = v_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+        for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
+            value = block[(c - b * block_size) * K * D + kh * D:][:D]
             for g in range(G):
-                top = scores[g, lo]
-                for c in range(lo + 1, hi):
-                    top = max(top, scores[g, c])
-                for c in range(lo, hi):
-                    scores[g, c] = math.exp(scores[g, c] - top)
-            acc[:] = 0.0
-            for b in range(lo // block_size, (hi - 1) // block_size + 1):
-                block = v_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
-                for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-                    value = block[(c - b * block_size) * K * D + kh * D:][:D]
-                    for g in range(G):
-                        p = scores[g, c]
-                        for d in range(D):
-                            acc[g, d] += p * value[d]
-            for g in range(G):
-                total = np.float32(0.0)
-                for c in range(lo, hi):
-                    total += scores[g, c]
+                p = scores[g, c]
                 for d in range(D):
-                    out[r, kh * G + g, d] = acc[g, d] / total
+                    acc[g, d] += p * value[d]
+    for g in range(G):
+        total = np.float32(0.0)
+        for c in range(lo, hi):
+            total += scores[g, c]
+        for d in range(D):
+            out[r, kh * G + g, d] = acc[g, d] / total
+
+
+@numba.njit(fastmath=True, cache=True)
+def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
+    """Every (row, KV head) in turn, on the calling thread."""
+    R, H, D = q.shape
+    K = cache_shape[3]
+    scores = np.empty((H // K, tables.shape[1] * cache_shape[2]), np.float32)
+    qs, acc = np.empty((H // K, D), np.float32), np.empty((H // K, D), np.float32)
+    for task in range(R * K):
+        _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, task // K, task % K,
+                     scores, qs, acc)
+
+
+@numba.njit(fastmath=True, cache=True, parallel=True)
+def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
+    """The (row, KV head) pairs spread over numba's threads (TBB: safe for concurrent callers)."""
+    R, H, D = q.shape
+    K = cache_shape[3]
+    for task in numba.prange(R * K):
+        scores = np.empty((H // K, tables.shape[1] * cache_shape[2]), np.float32)
+        qs, acc = np.empty((H // K, D), np.float32), np.empty((H // K, D), np.float32)
+        _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, task // K, task % K,
+                     scores, qs, acc)
 
 
 @numba.njit(inline="always")
@@ -97,16 +118,21 @@ def _buffer(args, i):
     return _ptr(buf[_BUFFER_DATA]), _int64s(buf[_BUFFER_DIMS], buf[_BUFFER_RANK])
 
 
-def _handler(frame_addr):  # compiled by compile_handler; returns null: success
-    frame = _int64s(frame_addr, 15)
+@numba.njit(inline="always")
+def _answered(frame) -> bool:
+    """Whether this call is not an execution (XLA asking for metadata, or another stage): answered here."""
     if frame[_FRAME_EXTENSION] != 0:  # XLA asking for the handler's metadata, not running it
         ext = _int64s(frame[_FRAME_EXTENSION], 4)
         if (ext[_EXTENSION_TYPE] & 0xFFFFFFFF) == _EXTENSION_IS_METADATA:
             meta = numba.carray(_ptr(ext[_EXTENSION_METADATA]), (10,), np.int32)
             meta[_METADATA_MAJOR], meta[_METADATA_MINOR], meta[_METADATA_TRAITS] = _FFI_API[0], _FFI_API[1], 0
-            return _ptr(0)
-    if (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE:
-        return _ptr(0)
+            return True
+    return (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE
+
+
+@numba.njit(inline="always")
+def _operands(frame):
+    """The call's buffers as the arguments of ``_attend``."""
     args = _int64s(frame[_FRAME_ARGS], _ARGS)
     rets = _int64s(frame[_FRAME_RETS], 1)
     q_data, q_dims = _buffer(args, 0)
@@ -120,7 +146,7 @@ def _handler(frame_addr):  # compiled by compile_handler; returns null: success
     q_shape = (q_dims[0], q_dims[1], q_dims[2])
     k_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
     k_size = k_dims[0] * k_dims[1] * k_dims[2] * k_dims[3] * k_dims[4]
-    _attend(
+    return (
         numba.carray(q_data, q_shape, np.float32),
         numba.carray(k_data, (k_size,), np.float32),
         numba.carray(v_data, (k_size,), np.float32),
@@ -131,10 +157,48 @@ def _handler(frame_addr):  # compiled by compile_handler; returns null: success
         numba.carray(window_data, (1,), np.int32)[0],
         numba.carray(out_data, q_shape, np.float32),
     )
+
+
+def _handler(frame_addr):  # compiled by compile_handler; returns null: success
+    frame = _int64s(frame_addr, 15)
+    if not _answered(frame):
+        _attend(*_operands(frame))
     return _ptr(0)
 
 
-def compile_handler():
+def _handler_parallel(frame_addr):  # the same over numba's threads
+    frame = _int64s(frame_addr, 15)
+    if not _answered(frame):
+        _attend_parallel(*_operands(frame))
+    return _ptr(0)
+
+
+def _use_tbb() -> None:
+    """Make numba's parallel loops run on TBB from the ``tbb`` wheel: the one threading layer of numba that is
+    safe when several threads launch parallel loops at once (in-process pipeline stages do), and that needs no
+    system library. The wheel puts libtbb in the environment's lib folder, off the loader's path, so it is
+    loaded here by its full path before numba's TBB pool asks for it by name."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution("tbb")
+    except PackageNotFoundError as e:
+        raise RuntimeError("the tbb package is not installed") from e
+    libs = [f for f in dist.files or () if f.name == "libtbb.so.12"]
+    if not libs:
+        raise RuntimeError(f"the tbb package {dist.version} has no libtbb.so.12")
+    ctypes.CDLL(str(dist.locate_file(libs[0])), mode=ctypes.RTLD_GLOBAL)
+    numba.config.THREADING_LAYER = "tbb"
+    # Start the pool now: a handler loaded from numba's cache does not, and would crash on its first call.
+    numba.get_num_threads()
+    if numba.threading_layer() != "tbb":
+        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()!r}, not 'tbb'")
+
+
+def compile_handler(parallel: bool = False):
     """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``; numba caches it on disk (about 3 s
-    the first time, about 1 s after). Keep the returned object alive as long as XLA may call it."""
-    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler)
+    the first time, about 1 s after). Keep the returned object alive as long as XLA may call it.
+    ``parallel``: spread the rows over numba's threads on TBB (raises where TBB cannot be loaded)."""
+    if parallel:
+        _use_tbb()
+    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
