@@ -380,15 +380,14 @@ class Report:
                 f"work ({ex / k['flops']:.2f}×); attention: {ex_att / 1e12:.2f} TFLOP executed for "
                 f"{att / 1e12:.2f} needed ({(ex_att - att) / (ex - k['flops']):.0%} of the excess). Prefill rows "
                 "are padded to the longest chunk of their step and every row's context to the widest block table "
-                "(decode rows of a mixed step have their own one-query attention)"
-                + (f"; the dense [rows, heads, longest query, context] block materialises "
-                   f"{k['score_bytes'] / 1e9:.1f} GB of fp32 scores over these steps (written, then read and "
-                   "rewritten by the masking and the softmax), memory traffic on top of the FLOPs"
+                "(decode rows of a mixed step have their own one-query attention); each chunk of 16+ query slots "
+                "scores only the context a right-aligned row can see from it"
+                + (f"; the scores take {k['score_bytes'] / 1e9:.1f} GB of fp32 over these steps (written, then "
+                   "read and rewritten by the masking and the softmax), memory traffic on top of the FLOPs"
                    if k.get("score_bytes") else "")
                 + ". On executed FLOPs the prefill ran at "
                 f"{ex / k['seconds'] / 1e9:.0f} GFLOP/s ({ex / k['seconds'] / 1e9 / b['matmul_gflops']:.0%} of "
-                "JAX's matmul rate). Suggested: a ragged attention kernel over the prefill chunks (each query "
-                "against its own row's context) in place of the dense [rows, longest query, context] block."]
+                "JAX's matmul rate)."]
 
     def decode(self) -> list[str]:
         dd = self.d["decode"]
@@ -419,6 +418,32 @@ class Report:
                 f"the same model's dense matmuls alone (every weight once, batch 64, one jit): "
                 f"{dd['dense_matmuls_ms']:.1f} ms. Padded step shape (tokens, prefill rows, query, decode rows, "
                 f"blocks) = {p['shape']}."]
+        loop = dd.get("layer_loop_ms") or {}
+        if loop:
+            out += ["", "The same dense matmuls read through a `lax.scan` over the layers' stacked weights (as the "
+                    "runner's layer loop reads them) against a loop over per-layer arrays, alternated, median ms: "
+                    + "; ".join(f"batch {n}: scan {fmt(t['scan_ms'])}, per-layer arrays {fmt(t['per_layer_ms'])}"
+                                for n, t in sorted(loop.items(), key=lambda kv: int(kv[0])))
+                    + ". The difference is the copy of each layer's weights that the scan's dynamic slice makes on "
+                    "XLA:CPU before its dots read them."]
+        one = _key(dd["decode"], 1) if "1" in dd["decode"] or 1 in dd["decode"] else None
+        if one and one["ratio"]["median"] > 1.3 and loop:
+            t = _key(loop, 1)
+            scan_ms, per_layer_ms = t["scan_ms"]["median"], t["per_layer_ms"]["median"]
+            self.findings.append(("Decode step at batch 1 vs floor (goal ≤ 1.3×)", [
+                f"At batch 1 the step reads every weight once: its floor is the weights' and K/V bytes at the "
+                f"measured bandwidth, {one['floor_ms']['median']:.1f} ms, against a {one['step_ms']['median']:.1f} "
+                "ms step.",
+                f"The weights' matmuls alone take {per_layer_ms:.1f} ms as a loop over per-layer arrays and "
+                f"{scan_ms:.1f} ms read through a scan over stacked weights, which is how the runner's layer loop "
+                f"reads them: the scan's copy of each layer's weights costs {scan_ms - per_layer_ms:.1f} ms of the "
+                "step, and the matmul-vector products themselves read the weights at "
+                f"{dd['weight_bytes'] / (per_layer_ms / 1e3) / 1e9:.1f} GB/s against the "
+                f"{dd['memory_gbps']['median']:.1f} GB/s a reduction reads.",
+                "Per-layer arrays with the layer loop unrolled remove the copy, but each step shape then compiles "
+                "1.5–2.6× longer and the batch-64 step got slower in the one A/B tried "
+                "(`packages/runner/benchmarks/layer_loop_bench.py`'s docstring); not kept.",
+            ]))
         x = _key(dd["decode"], 64)
         if x["ratio"]["median"] > 1.5:
             rest = p["forward"] - dd["dense_matmuls_ms"]
@@ -447,14 +472,17 @@ class Report:
                    "reads: XLA:CPU's gather, not the arithmetic, made most of XLA's attention."
                    if dd.get("kv_gather_ms") else ""),
                 f"Sampling adds {p['sample']:.0f} ms ({p['sample'] / (p['inputs'] + p['forward'] + p['sample']):.0%} "
-                "of the step) for 64 rows × 32000 logits at temperature 1 (the full random path: scaling, min-p, "
-                "the CDF over the vocabulary).",
+                "of the step) for 64 rows × 32000 logits at temperature 1 (scaling, then one uniform draw per row "
+                "against the running sum of the weights, taken in two levels over 128-wide vocabulary blocks; "
+                "min-p, top-k and top-p cost nothing when no row uses them).",
                 "The floor counts the weights and the K/V bytes a decode step must read at least once "
                 f"({dd['kv_bytes_needed'] / mb:.0f} MiB here, "
                 f"{dd['kv_bytes_needed'] / (dd['memory_gbps']['median'] * 1e9) * 1e3:.0f} ms); it cannot see the "
                 "64-row matmuls' lower rate (the gap above).",
                 "Suggested: on TPU, a ragged paged-attention kernel (Pallas) in place of the XLA formulation; on "
-                "CPU, the weights' matmuls at 64 rows are what remains (XLA:CPU's own dot).",
+                "CPU, the weights' matmuls at 64 rows are what remains (XLA:CPU's own dot), and the copy of each "
+                "layer's weights that the layer scan's dynamic slice makes before the dots read them "
+                "(`packages/runner/benchmarks/layer_loop_bench.py`).",
             ]
             self.findings.append(("Decode step vs floor (goal ≤ 1.5×)", lines))
         return out

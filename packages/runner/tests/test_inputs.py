@@ -57,3 +57,19 @@ def test_more_prefill_requests_than_the_largest_bucket_is_an_error():
     small = Buckets.make(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=1024, block_size=BLOCK)
     with pytest.raises(ValueError, match="prefill requests in the step=5 exceeds the largest bucket 4"):
         small.shape_of(ModelBatch(0, tuple(request(i, 2, 0) for i in range(5))), BLOCK)
+
+
+def test_prefill_chunks_cover_every_slot_and_each_real_token_sees_its_context():
+    """A right-aligned row's real tokens all find the positions they attend to inside their chunk's context."""
+    from pipejax.runner.model import prefill_chunks
+
+    for query, context in [(128, 128), (128, 192), (256, 192), (16, 64), (2048, 2048), (1, 16)]:
+        chunks = prefill_chunks(query, context)
+        assert [lo for lo, _, _ in chunks] == [0] + [hi for _, hi, _ in chunks[:-1]] and chunks[-1][1] == query
+        assert all(1 <= c_hi <= context for _, _, c_hi in chunks)
+        for n in {1, min(query, context) // 2, min(query, context)}:  # a row of n tokens ending at `end`
+            for end in {n, context}:
+                for lo, hi, c_hi in chunks:
+                    for slot in range(max(lo, query - n), hi):
+                        assert end - query + slot < c_hi, (query, context, n, end, slot)
+    assert prefill_chunks(128, 128)[0] == (0, 16, 16)  # the causal triangle: the first chunk sees 16 slots

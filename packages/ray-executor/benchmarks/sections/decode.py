@@ -10,7 +10,10 @@ The runner's default decode attention is timed (on CPU: the hand-written kernel 
 inputs, the jitted forward, sampling), the same parts with XLA's formulation of the decode attention are
 set next to them, and set next to the same model's dense matmuls alone (every weight matrix once,
 same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
-the paged KV gather. The KV bytes the attention reads are reported next to the weights.
+the paged KV gather. The same dense matmuls are timed as a loop over per-layer arrays and as a scan over
+the stacked weights (the runner's layer loop), alternated, at batch 1 and 64: the difference is the copy
+of each layer's weights that the scan's dynamic slice makes on XLA:CPU. The KV bytes the attention reads
+are reported next to the weights.
 
 Also one 2048-token prefill step (16 fresh prompts x 128 tokens, the jitted forward): its useful FLOP rate
 as a share of the matmul rate measured in the same repeat.
@@ -145,8 +148,10 @@ def kv_gather(cfg, rows: int, blocks: int, block_size: int, repeats: int) -> flo
     return statistics.median(timed(lambda: run(k_cache, v_cache, tables).block_until_ready(), repeats))
 
 
-def dense_matmuls(cfg, batch: int, repeats: int) -> float:
-    """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit)."""
+def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False) -> float:
+    """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit): a loop
+    over per-layer arrays, or (``scan``) a ``lax.scan`` over the layers' stacked weights, as the runner's layer
+    loop reads them (XLA:CPU copies each layer's slice before its dots read it)."""
     import jax
     import jax.numpy as jnp
 
@@ -157,16 +162,28 @@ def dense_matmuls(cfg, batch: int, repeats: int) -> float:
     layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(L)]
     head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
 
+    def layer(x, weights):
+        q, k, v, o, g, u, d = weights
+        a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
+        x = x + a @ o
+        return x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+
     @jax.jit
-    def run(x, layers, head):
-        for q, k, v, o, g, u, d in layers:
-            a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
-            x = x + a @ o
-            x = x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+    def looped(x, layers, head):
+        for weights in layers:
+            x = layer(x, weights)
         return x @ head
 
+    @jax.jit
+    def scanned(x, stacked, head):
+        return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0] @ head
+
     x = jnp.ones((batch, E), jnp.float32)
-    return statistics.median(timed(lambda: run(x, layers, head).block_until_ready(), repeats))
+    if scan:
+        stacked = [jnp.stack(ws) for ws in zip(*layers, strict=True)]
+        del layers
+        return statistics.median(timed(lambda: scanned(x, stacked, head).block_until_ready(), repeats))
+    return statistics.median(timed(lambda: looped(x, layers, head).block_until_ready(), repeats))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,6 +218,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     b = HEADLINE_BATCH
     parts = bench.parts(b, steps)
     dense_ms = dense_matmuls(cfg, b, steps) * 1e3
+    # The same matmuls read through a scan over stacked weights, as the runner's layer loop does, alternated.
+    layer_loop = {n: {"per_layer_ms": [], "scan_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
+    for _ in range(3):
+        for n, times in layer_loop.items():
+            times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
+            times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
+    layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
     slots = parts["shape"][4] * bench.block
     # The same step with XLA's formulation of the decode attention (the block-table gather), side by side.
@@ -225,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_attention": "cpu-kernel" if xla_parts is not None else "xla",
         "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
+        "layer_loop_ms": layer_loop,
         "kv_gather_ms": gather_ms,
         "weight_bytes": step_cost(cfg, b)[1],
         "matmul_params": (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2,

@@ -71,13 +71,24 @@ def step_flops(cfg, tokens: int, attended: int, sampled: int) -> float:
     return 2.0 * tokens * L * per_layer + 2.0 * E * V * sampled + 4.0 * L * H * D * attended
 
 
+def scored_slots(shape: list[int], block_size: int) -> int:
+    """(query, context slot) pairs the padded step scores per head and layer: each prefill row's query chunks
+    against the context they can see (``model.prefill_chunks``), each decode row against C = B x block_size
+    slots (an upper bound: the CPU kernel reads only the row's visible slots)."""
+    from pipejax.runner.model import prefill_chunks
+
+    _, P, Q, Rd, B = shape
+    C = B * block_size
+    prefill = sum((hi - lo) * c_hi for lo, hi, c_hi in prefill_chunks(Q, C)) if P else 0
+    return P * prefill + Rd * C
+
+
 def executed_flops(cfg, shape: list[int], block_size: int) -> tuple[float, float]:
     """(all, attention) FLOPs the padded step runs: T tokens through the layers, the LM head on the
-    P + Rd rows, attention of P prefill rows x Q query slots and Rd decode rows x 1 against
-    C = B x block_size context slots."""
+    P + Rd rows, attention over the ``scored_slots``."""
     T, P, Q, Rd, B = shape
     E, F, H, K, D, V, L, per_layer = _dims(cfg)
-    attention = 4.0 * L * H * D * (P * Q + Rd) * B * block_size
+    attention = 4.0 * L * H * D * scored_slots(shape, block_size)
     return 2.0 * T * L * per_layer + 2.0 * E * V * (P + Rd) + attention, attention
 
 
@@ -156,8 +167,7 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
             "executed_flops": sum(x for x, _ in executed) if executed else None,
             "executed_attention_flops": sum(a for _, a in executed) if executed else None,
             # fp32 attention scores of the [rows, heads, query, context] blocks, all layers
-            "score_bytes": sum(4 * L * H * (b["shape"][1] * b["shape"][2] + b["shape"][3]) * b["shape"][4] * block_size
-                               for b, _ in steps if b.get("shape")),
+            "score_bytes": sum(4 * L * H * scored_slots(b["shape"], block_size) for b, _ in steps if b.get("shape")),
             "gflops_per_s": flops / seconds / 1e9 if seconds else 0.0,
             "median_step_ms": summary([t * 1e3 for _, t in steps])["median"],
         }

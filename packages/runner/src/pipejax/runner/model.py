@@ -191,6 +191,18 @@ PREFILL_QUERY_CHUNKS = 8  # at most: each chunk is one more pair of batched matm
 PREFILL_MIN_CHUNK = 16  # query tokens; smaller chunks cost more in per-matmul overhead than they skip
 
 
+def prefill_chunks(query_len: int, context: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, c_hi) per query chunk of a right-aligned prefill row: slots [lo, hi) attend to context
+    slots [0, c_hi). A right-aligned row's slot i is at most position C - Q + i, so c_hi = C - Q + hi (at
+    least 1: a chunk below that is padding in every row)."""
+    step = max(PREFILL_MIN_CHUNK, -(-query_len // PREFILL_QUERY_CHUNKS))
+    chunks = []
+    for lo in range(0, query_len, step):
+        hi = min(lo + step, query_len)
+        chunks.append((lo, hi, min(context, max(1, context - query_len + hi))))
+    return chunks
+
+
 def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables, query_len, sliding_window):
     """Rows of up to ``query_len`` tokens, right-aligned (a row's last token sits in query slot Q - 1, so
     ``query_start``/``start_pos`` are those of slot 0 and may be negative for a short row). Each row's
@@ -209,11 +221,8 @@ def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables,
     keys = k_layer[block_tables].reshape(R, C, K, D).transpose(0, 2, 1, 3)  # [R, K, C, D]
     values = v_layer[block_tables].reshape(R, C, K, D).transpose(0, 2, 1, 3)
     q_pos = jnp.maximum(start_pos[:, None] + cols[None, :], 0)  # [R, Q]; padding slots see slot 0 (no NaN)
-    step = max(PREFILL_MIN_CHUNK, -(-query_len // PREFILL_QUERY_CHUNKS))
     outs = []
-    for lo in range(0, query_len, step):
-        hi = min(lo + step, query_len)
-        c_hi = min(C, max(1, C - query_len + hi))  # < 1 only for chunks that are padding in every row
+    for lo, hi, c_hi in prefill_chunks(query_len, C):
         scores = jnp.einsum("rkmd,rkcd->rkmc", q_rows[:, :, lo:hi].reshape(R, K, (hi - lo) * G, D),
                             keys[:, :, :c_hi], preferred_element_type=jnp.float32)
         visible = _visible(jnp.arange(c_hi)[None, None, :], q_pos[:, lo:hi, None], sliding_window)  # [R, m, c]
