@@ -10,8 +10,9 @@ attention as it was then (dense over the whole [query, context] block): as is 18
 0.84 / 0.88 of the matmul rate measured after it); without attention 1604 / 1593 / 1642 ms (1.01 / 0.97 /
 0.96): the attention took 300-350 ms. With the chunked attention of ``model.prefill_attention`` (query chunks
 scoring only the context a right-aligned row can see, GQA heads as one operand), alternated, three runs each,
-on a slower afternoon: as is 1951 / 1829 / 2147 ms (0.86 / 0.88 / 0.88); without attention 1708 / 1836 /
-1955 ms (0.94 / 0.93 / 0.92). The attention now takes about 6% of the step.
+on a noisier afternoon: as is 1761 / 1737 / 1987 ms, without attention 1714 / 1760 / 1697 ms (the matmul rate
+probe read 103-198 GFLOP/s in these runs, so the shares are not worth quoting; the forward times are): the
+attention now takes well under 100 ms of the step in two of three pairs.
 """
 
 from __future__ import annotations

@@ -72,4 +72,5 @@ def test_prefill_chunks_cover_every_slot_and_each_real_token_sees_its_context():
                 for lo, hi, c_hi in chunks:
                     for slot in range(max(lo, query - n), hi):
                         assert end - query + slot < c_hi, (query, context, n, end, slot)
-    assert prefill_chunks(128, 128)[0] == (0, 16, 16)  # the causal triangle: the first chunk sees 16 slots
+    assert prefill_chunks(128, 128)[0] == (0, 32, 32)  # the causal triangle: the first chunk sees 32 slots
+    assert prefill_chunks(16, 64) == [(0, 16, 64)]  # chunks of at least 16 slots

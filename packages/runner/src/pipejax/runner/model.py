@@ -187,7 +187,10 @@ def _visible(ctx: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> ja
     return visible
 
 
-PREFILL_QUERY_CHUNKS = 8  # at most: each chunk is one more pair of batched matmuls to compile
+# At most 4 query chunks: on XLA:CPU, 16 x 128 tokens, 12 layers, 1 / 2 / 4 / 8 chunks took 209 / 169 / 149 / 135
+# ms of attention and one 2048-token prompt 1473 / 1175 / 961 / 924 ms, while each chunk adds about 0.07 s to
+# the compile of every prefill shape (0.30 s for one chunk; 0.57 for 4, 0.88 for 8).
+PREFILL_QUERY_CHUNKS = 4
 PREFILL_MIN_CHUNK = 16  # query tokens; smaller chunks cost more in per-matmul overhead than they skip
 
 
@@ -209,8 +212,8 @@ def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables,
     context is gathered once [R, K, C, D]; the queries sharing a KV head are one matmul operand (GQA), and
     the query slots go in chunks that each score only the context a right-aligned row can see from them:
     chunk [lo, hi) ends at context slot C - Q + hi, which skips most of the causal triangle a dense
-    [Q, C] block computes and throws away (on XLA:CPU it took the attention's share of a 16 x 128-token prefill
-    step from about 17% to 6%: ray-executor's ``benchmarks/prefill_attention_share.py``).
+    [Q, C] block computes and throws away (on XLA:CPU the 16 x 128-token prefill step's attention went from
+    300-350 ms to well under 100: ray-executor's ``benchmarks/prefill_attention_share.py``).
     q [T, H, D], k_layer/v_layer [N, block_size, K, D]. Returns [R, Q, H, D]."""
     T, H, D = q.shape
     _, block_size, K, _ = k_layer.shape
