@@ -2,9 +2,10 @@
 
 Per row, in vLLM v1's order: greedy rows (temperature < 1e-5) take the argmax of the raw
 logits; the others divide by the temperature, drop tokens below ``min_p`` x the top
-probability, then apply top-k and top-p (nucleus, on what top-k kept) and draw with Gumbel-max
-from the row's own key. Logprobs are always of the raw model distribution
-(``log_softmax(logits)``), as vLLM returns them by default.
+probability, then apply top-k and top-p (nucleus, on what top-k kept) and draw one uniform number
+from the row's own key against the running sum of what is left (inverse CDF). Logprobs are always of
+the raw model distribution (``log_softmax(logits)``), as vLLM returns them by default; with
+``num_logprobs=None`` none are computed.
 
 Keys are made on the host: a seeded request's key depends only on ``(seed, output_index)`` so
 its samples do not depend on its batch or the step; an unseeded one's on ``(step_seed, row)``.
