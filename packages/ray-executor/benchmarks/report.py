@@ -411,8 +411,6 @@ class Report:
                          "floor bound by"], rows)
         p = dd["parts_ms"]
         loop = dd.get("layer_loop_ms") or {}
-        if loop:  # the median of the alternated rounds, not the single sample taken before them
-            dd = {**dd, "dense_matmuls_ms": _key(loop, 64)["per_layer_ms"]["median"]}
         if "error" in p:
             out += ["", f"(The step's parts could not be timed: {p['error']}.)"]
             return out

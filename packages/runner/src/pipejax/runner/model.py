@@ -190,7 +190,7 @@ def _visible(ctx: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> ja
 # At most 4 query chunks: on XLA:CPU, 16 x 128 tokens, 12 layers, 1 / 2 / 4 / 8 chunks took 209 / 169 / 149 / 135
 # ms of attention and one 2048-token prompt 1473 / 1175 / 961 / 924 ms, while each chunk adds about 0.07 s to
 # the compile of every prefill shape (16 x 128 tokens: 0.31 s with 2 chunks, 0.57 with 4, 0.88 with 8; the
-# dense formulation before the chunks, 0.30).
+# dense formulation before the chunks, 0.30). One-off probes over this function, 2026-12-01, not kept here.
 PREFILL_QUERY_CHUNKS = 4
 PREFILL_MIN_CHUNK = 16  # query tokens; smaller chunks cost more in per-matmul overhead than they skip
 
