@@ -13,6 +13,7 @@ L, N, BLOCK, K, D = 3, 40, 16, 2, 32
 def _reference(q, k, v, layer, tables, start_pos, window):
     """Softmax attention of each row's query heads over its visible context, one slot at a time."""
     R, H, _ = q.shape
+    K = k.shape[3]
     out = np.zeros_like(q)
     for r in range(R):
         slots = [(tables[r, c // BLOCK], c % BLOCK) for c in range(start_pos[r] + 1)]
@@ -22,7 +23,7 @@ def _reference(q, k, v, layer, tables, start_pos, window):
             kh = h // (H // K)
             keys = np.stack([k[layer, b, o, kh] for b, o in slots])
             values = np.stack([v[layer, b, o, kh] for b, o in slots])
-            scores = keys @ q[r, h] / np.sqrt(D)
+            scores = keys @ q[r, h] / np.sqrt(q.shape[-1])
             p = np.exp(scores - scores.max())
             out[r, h] = p @ values / p.sum()
     return out
@@ -42,6 +43,21 @@ def test_matches_numpy_attention(heads, window):
         got = step(q, k, v, jnp.int32(layer), tables, start_pos, window)
         np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, layer, tables, start_pos, window),
                                    rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
+
+
+@pytest.mark.parametrize("rows,kv_heads", [(3, 4), (9, 4), (1, 1)])
+def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads):
+    """Few rows: each row's KV heads are split between tasks (3 rows x 4 KV heads: unevenly); many: one task
+    per row."""
+    rng = np.random.default_rng(rows)
+    B, H = 6, 2 * kv_heads
+    k = rng.standard_normal((L, N, BLOCK, kv_heads, D), np.float32)
+    v = rng.standard_normal((L, N, BLOCK, kv_heads, D), np.float32)
+    q = rng.standard_normal((rows, H, D), np.float32)
+    tables = rng.integers(0, N, (rows, B)).astype(np.int32)
+    start_pos = rng.integers(0, B * BLOCK, rows).astype(np.int32)
+    got = jax.jit(kernel.paged_decode_attention, static_argnums=(6,))(q, k, v, jnp.int32(2), tables, start_pos, 0)
+    np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, 2, tables, start_pos, 0), rtol=1e-5, atol=1e-5)
 
 
 def test_used_inside_a_scan_that_updates_the_cache():

@@ -39,77 +39,91 @@ def _int64s(addr, n):
     return numba.carray(_ptr(addr), (n,), np.int64)
 
 
+# Tasks a parallel call makes at least (where the rows' KV heads allow). A constant, not numba's thread count:
+# reading that inside the function would keep numba from caching it.
+_MIN_TASKS = 8
+
+
 @numba.njit(fastmath=True, inline="always")
-def _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh, scores, qs, acc):
-    """Row ``r``'s query heads that share KV head ``kh``: q [R, H, D]; k_flat/v_flat: caches
-    [L, N, block_size, K, D] (``cache_shape``) flattened; tables [R, B]; start_pos [R] -> out[r, heads]. Walks
-    the row's blocks in order, slot by slot (no division per slot), and reads each K/V slot as a contiguous run
-    of D floats (a view per slot costs more). scores [G, B * block_size], qs and acc [G, D]: scratch."""
+def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh_lo, kh_hi, scores, qs,
+                acc):
+    """Row ``r``'s query heads of KV heads [kh_lo, kh_hi): q [R, H, D]; k_flat/v_flat: caches
+    [L, N, block_size, K, D] (``cache_shape``) flattened; tables [R, B]; start_pos [R] -> out[r, heads].
+    Walks the row's blocks in order and each slot's KV heads in memory order, so a row's K and V are each read
+    as one forward stream: 2.6x faster on one core than a pass per KV head, which strides through the blocks
+    (12 layers x 64 rows x 129 slots: 22 against 58 ms). scores [H, B * block_size], qs and acc [H, D]: scratch."""
     _, H, D = q.shape
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
     context = tables.shape[1] * block_size
     scale = np.float32(1.0 / math.sqrt(D))
-    block_stride, layer_base = block_size * K * D, layer * blocks * block_size * K * D
+    slot_stride = K * D
+    block_stride, layer_base = block_size * slot_stride, layer * blocks * block_size * slot_stride
+    h_lo, h_hi = kh_lo * G, kh_hi * G
     hi = min(start_pos[r] + 1, context)  # a decode row sees its own position and what precedes it
     lo = max(0, start_pos[r] - window + 1) if window > 0 else 0
-    for g in range(G):
+    for h in range(h_lo, h_hi):
         for d in range(D):
-            qs[g, d] = q[r, kh * G + g, d] * scale
+            qs[h, d] = q[r, h, d] * scale
     for b in range(lo // block_size, (hi - 1) // block_size + 1):
         block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            key = block[(c - b * block_size) * K * D + kh * D:][:D]
-            for g in range(G):
+            slot = block[(c - b * block_size) * slot_stride:][:slot_stride]  # [K, D]
+            for h in range(h_lo, h_hi):
+                key = slot[(h // G) * D:][:D]
                 s = np.float32(0.0)
                 for d in range(D):
-                    s += qs[g, d] * key[d]
-                scores[g, c] = s
-    for g in range(G):
-        top = scores[g, lo]
+                    s += qs[h, d] * key[d]
+                scores[h, c] = s
+    for h in range(h_lo, h_hi):
+        top = scores[h, lo]
         for c in range(lo + 1, hi):
-            top = max(top, scores[g, c])
+            top = max(top, scores[h, c])
         for c in range(lo, hi):
-            scores[g, c] = math.exp(scores[g, c] - top)
-    acc[:] = 0.0
+            scores[h, c] = math.exp(scores[h, c] - top)
+        for d in range(D):
+            acc[h, d] = 0.0
     for b in range(lo // block_size, (hi - 1) // block_size + 1):
         block = v_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            value = block[(c - b * block_size) * K * D + kh * D:][:D]
-            for g in range(G):
-                p = scores[g, c]
+            slot = block[(c - b * block_size) * slot_stride:][:slot_stride]
+            for h in range(h_lo, h_hi):
+                value = slot[(h // G) * D:][:D]
+                p = scores[h, c]
                 for d in range(D):
-                    acc[g, d] += p * value[d]
-    for g in range(G):
+                    acc[h, d] += p * value[d]
+    for h in range(h_lo, h_hi):
         total = np.float32(0.0)
         for c in range(lo, hi):
-            total += scores[g, c]
+            total += scores[h, c]
         for d in range(D):
-            out[r, kh * G + g, d] = acc[g, d] / total
+            out[r, h, d] = acc[h, d] / total
 
 
 @numba.njit(fastmath=True, cache=True)
 def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
-    """Every (row, KV head) in turn, on the calling thread."""
+    """Every row in turn, on the calling thread."""
     R, H, D = q.shape
-    K = cache_shape[3]
-    scores = np.empty((H // K, tables.shape[1] * cache_shape[2]), np.float32)
-    qs, acc = np.empty((H // K, D), np.float32), np.empty((H // K, D), np.float32)
-    for task in range(R * K):
-        _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, task // K, task % K,
-                     scores, qs, acc)
+    scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
+    qs, acc = np.empty((H, D), np.float32), np.empty((H, D), np.float32)
+    for r in range(R):
+        _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, 0, cache_shape[3],
+                    scores, qs, acc)
 
 
 @numba.njit(fastmath=True, cache=True, parallel=True)
 def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
-    """The (row, KV head) pairs spread over numba's threads (TBB: safe for concurrent callers)."""
+    """The rows spread over numba's threads (TBB: safe for concurrent callers); with fewer than ``_MIN_TASKS``
+    rows, each row's KV heads are split between tasks too, so that a single long row is not left to one thread."""
     R, H, D = q.shape
     K = cache_shape[3]
-    for task in numba.prange(R * K):
-        scores = np.empty((H // K, tables.shape[1] * cache_shape[2]), np.float32)
-        qs, acc = np.empty((H // K, D), np.float32), np.empty((H // K, D), np.float32)
-        _attend_head(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, task // K, task % K,
-                     scores, qs, acc)
+    splits = min(K, -(-_MIN_TASKS // R))
+    for task in numba.prange(R * splits):
+        r, part = task // splits, task % splits
+        scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
+        qs, acc = np.empty((H, D), np.float32), np.empty((H, D), np.float32)
+        _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, part * K // splits,
+                    (part + 1) * K // splits, scores, qs, acc)
 
 
 @numba.njit(inline="always")
