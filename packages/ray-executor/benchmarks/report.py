@@ -427,6 +427,18 @@ class Report:
                                 for n, t in sorted(loop.items(), key=lambda kv: int(kv[0])))
                     + ". The difference is the copy of each layer's weights that the scan's dynamic slice makes on "
                     "XLA:CPU before its dots read them."]
+        ab = dd.get("unrolled_vs_scan") or {}
+        if ab:
+            out += ["", "So the runner's decode steps on CPU run the layers unrolled over per-layer views of the "
+                    "stacked weights (`StageRunner(decode_layers=...)`, \"unrolled\" by default on CPU: each view "
+                    "aliases its layer's memory, nothing is copied); prefill steps keep the scan. The runner's "
+                    "decode step both ways, alternated, median ms: "
+                    + "; ".join(f"batch {n}: unrolled {fmt(t['unrolled_ms'])}, scan {fmt(t['scan_ms'])}"
+                                for n, t in sorted(ab.items(), key=lambda kv: int(kv[0])))
+                    + ". The first step of each (its compile included): "
+                    + "; ".join(f"batch {n}: unrolled {t['unrolled_first_s']:.1f} s, scan {t['scan_first_s']:.1f} s"
+                                for n, t in sorted(ab.items(), key=lambda kv: int(kv[0])))
+                    + "."]
         one = _key(dd["decode"], 1) if "1" in dd["decode"] or 1 in dd["decode"] else None
         if one and one["ratio"]["median"] > 1.3 and loop:
             t = _key(loop, 1)
@@ -441,10 +453,12 @@ class Report:
                 "step, and the matmul-vector products themselves read the weights at "
                 f"{dd['weight_bytes'] / (per_layer_ms / 1e3) / 1e9:.1f} GB/s against the "
                 f"{dd['memory_gbps']['median']:.1f} GB/s a reduction reads.",
-                "Per-layer arrays with the layer loop unrolled remove the copy, but each step shape then compiles "
-                "1.5–2.6× longer and the batch-64 step got slower in the one A/B tried "
-                "(`packages/runner/benchmarks/layer_loop_bench.py`'s docstring); not kept.",
-            ]))
+            ] + ([
+                f"The runner's decode steps read per-layer views of the weights (unrolled layers), which removes "
+                f"that copy: the step took {_key(ab, 1)['unrolled_ms']['median']:.1f} ms that way against "
+                f"{_key(ab, 1)['scan_ms']['median']:.1f} ms as a layer scan, alternated. What remains above the "
+                "floor is XLA:CPU's matrix-vector products, which read the weights below the reduction's rate."
+            ] if ab and ("1" in ab or 1 in ab) else [])))
         x = _key(dd["decode"], 64)
         if x["ratio"]["median"] > 1.5:
             rest = p["forward"] - dd["dense_matmuls_ms"]
@@ -481,9 +495,10 @@ class Report:
                 f"{dd['kv_bytes_needed'] / (dd['memory_gbps']['median'] * 1e9) * 1e3:.0f} ms); it cannot see the "
                 "64-row matmuls' lower rate (the gap above).",
                 "Suggested: on TPU, a ragged paged-attention kernel (Pallas) in place of the XLA formulation; on "
-                "CPU, the weights' matmuls at 64 rows are what remains (XLA:CPU's own dot), and the copy of each "
-                "layer's weights that the layer scan's dynamic slice makes before the dots read them "
-                "(`packages/runner/benchmarks/layer_loop_bench.py`).",
+                "CPU, the weights' matmuls at 64 rows are what remains (XLA:CPU's own dot)"
+                + ("" if dd.get("unrolled_vs_scan") else ", and the copy of each layer's weights that the layer "
+                   "scan's dynamic slice makes before the dots read them "
+                   "(`packages/runner/benchmarks/layer_loop_bench.py`)") + ".",
             ]
             self.findings.append(("Decode step vs floor (goal ≤ 1.5×)", lines))
         return out

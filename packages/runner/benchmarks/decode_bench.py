@@ -22,7 +22,9 @@ CONTEXT = 128  # tokens already in the cache of every request when the timed dec
 
 
 def timed(fn, repeats: int) -> tuple[float, float, float]:
+    start = time.perf_counter()
     fn()
+    print(f"  first call (its compile included): {time.perf_counter() - start:.2f} s")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -67,7 +69,7 @@ def step_cost(cfg, batch: int) -> tuple[float, float]:
 
 
 def decode_times(
-    path: str, batches: list[int], repeats: int, decode_attention: str = "auto"
+    path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto"
 ) -> dict[int, tuple[float, float, float]]:
     import jax
 
@@ -81,8 +83,8 @@ def decode_times(
     cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request)
     limits = SchedulerConfig(max_num_seqs=max(batches))
     runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
-                         decode_attention=decode_attention)
-    print(f"decode attention: {runner.decode_attention}")
+                         decode_attention=decode_attention, decode_layers=decode_layers)
+    print(f"decode attention: {runner.decode_attention}, decode layers: {runner.decode_layers}")
     greedy = SamplingParams(temperature=0)
     step_ids = iter(range(10**9))
 
@@ -142,6 +144,9 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--decode-attention", choices=("auto", "xla", "cpu-kernel"), default="auto",
                         help="XLA's decode attention or the CPU kernel (auto: the kernel on CPU)")
+    parser.add_argument("--decode-layers", choices=("auto", "scan", "unrolled"), default="auto",
+                        help="a scan over stacked weights, or unrolled layers over per-layer views "
+                        "(auto: unrolled on CPU)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     args = parser.parse_args()
 
@@ -159,7 +164,8 @@ def main() -> None:
     print(f"\ndecode step, benchmark model (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
     print("| batch | step ms | floor ms | step / floor | bound by |")
     print("|---:|---:|---:|---:|---|")
-    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention).items():
+    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention,
+                                                     args.decode_layers).items():
         flops, weight_bytes = step_cost(cfg, b)
         compute, memory = flops / flops_rate, weight_bytes / bandwidth
         floor = max(compute, memory)

@@ -1,7 +1,7 @@
 """How the layer loop reads its weights on XLA:CPU: a ``lax.scan`` over stacked [L, ...] weights (what
-``model.stage_forward`` does) against a Python loop over per-layer arrays, and against static slices of
-the stacked arrays inside the jit. Twelve Llama-like layers (hidden 768, ffn 2048), fp32, a batch of 1 and
-of 64 rows; each line: median of 10 calls and the weight bytes read per second.
+``model.stage_forward`` does for prefill steps) against a Python loop over per-layer arrays, and against
+static slices of the stacked arrays inside the jit. Twelve Llama-like layers (hidden 768, ffn 2048), fp32,
+a batch of 1 and of 64 rows; each line: median of 10 calls and the weight bytes read per second.
 
     python packages/runner/benchmarks/layer_loop_bench.py
 
@@ -10,10 +10,9 @@ place), so a weight-bound step reads and writes every weight once more than it n
 2026-12-01 (2 CPUs, 324 MiB of weights): batch 1, scan 33.5 ms (10.1 GB/s) / per-layer arrays 16.1 ms
 (21.1 GB/s) / static slices 109.2 ms; batch 64, 91.9 / 71.6 / 171.0 ms.
 
-Tried in the runner (per-layer parameter arrays, the layer loop unrolled), an A/B of a change that was not
-kept, so no command in this repository reproduces it: the benchmark model's decode step went 28.4 -> 21.0
-ms at batch 1 but 143.5 -> 152.8 ms at batch 64, and each step shape compiled 1.5-2.6x longer (1.05 ->
-2.71 s at batch 1).
+The runner's decode steps on CPU therefore run the layers unrolled over per-layer views of the stacked
+weights (``pipejax.runner.layer_views``; ``StageRunner(decode_layers=...)``); its effect on the runner's own
+step is in the runner README and BENCHMARKS.md's decode section.
 """
 
 from __future__ import annotations

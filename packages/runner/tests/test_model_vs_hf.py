@@ -27,28 +27,31 @@ def test_logits_match_transformers(checkpoint, pp, tp):
         assert rel < 1e-4, f"prompt of {len(prompt)} tokens: max relative logit error {rel:.2e}"
 
 
-# Decode rows attend with the CPU kernel ("cpu-kernel", the default here) or XLA's formulation (TPU, bf16).
+# Decode rows attend with the CPU kernel ("cpu-kernel", the default here) or XLA's formulation (TPU, bf16); decode
+# steps run the layers unrolled over per-layer views of the weights (the default on CPU) or as a scan (elsewhere).
 @pytest.mark.parametrize(
-    "pp,tp,chunk,attention",
-    [(1, 1, None, "cpu-kernel"), (2, 2, 4, "cpu-kernel"), (4, 2, 5, "cpu-kernel"), (1, 1, None, "xla"),
-     (2, 2, 4, "xla")],
-    ids=["pp1tp1", "pp2tp2-chunk4", "pp4tp2-chunk5", "pp1tp1-xla", "pp2tp2-chunk4-xla"],
+    "pp,tp,chunk,attention,layers",
+    [(1, 1, None, "cpu-kernel", "unrolled"), (2, 2, 4, "cpu-kernel", "unrolled"), (4, 2, 5, "cpu-kernel", "unrolled"),
+     (1, 1, None, "xla", "scan"), (2, 2, 4, "xla", "scan")],
+    ids=["pp1tp1", "pp2tp2-chunk4", "pp4tp2-chunk5", "pp1tp1-xla-scan", "pp2tp2-chunk4-xla-scan"],
 )
-def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk, attention):
+def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk, attention, layers):
     path, model = checkpoint
     expected = hf_greedy(model, PROMPTS, 32)
-    stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention)
-    assert [s.decode_attention for s in stages.stages] == [attention] * pp
+    stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention, decode_layers=layers)
+    assert [(s.decode_attention, s.decode_layers) for s in stages.stages] == [(attention, layers)] * pp
     assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
 
 
-@pytest.mark.parametrize("chunk,attention", [(None, "cpu-kernel"), (4, "cpu-kernel"), (4, "xla")],
-                         ids=["whole-prompts", "chunk4", "chunk4-xla"])
-def test_sliding_window_decode_matches_generate(tmp_path, chunk, attention):
+@pytest.mark.parametrize(
+    "chunk,attention,layers", [(None, "cpu-kernel", "unrolled"), (4, "cpu-kernel", "unrolled"), (4, "xla", "scan")],
+    ids=["whole-prompts", "chunk4", "chunk4-xla-scan"],
+)
+def test_sliding_window_decode_matches_generate(tmp_path, chunk, attention, layers):
     """Mistral with a window shorter than the prompts and the decode: both attention paths (the
     prefill rows' dense one and the decode rows' streaming one) must drop the same old positions."""
     model = make_hf_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=8)
     expected = hf_greedy(model, PROMPTS, 24)
-    got = greedy_generate(ChainedStages(tmp_path, 1, 1, num_blocks=80, decode_attention=attention), PROMPTS, 24,
-                          chunk=chunk)
+    stages = ChainedStages(tmp_path, 1, 1, num_blocks=80, decode_attention=attention, decode_layers=layers)
+    got = greedy_generate(stages, PROMPTS, 24, chunk=chunk)
     assert got == expected

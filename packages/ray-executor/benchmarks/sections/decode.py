@@ -11,9 +11,11 @@ inputs, the jitted forward, sampling), the same parts with XLA's formulation of 
 set next to them, and set next to the same model's dense matmuls alone (every weight matrix once,
 same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
 the paged KV gather. The same dense matmuls are timed as a loop over per-layer arrays and as a scan over
-the stacked weights (the runner's layer loop), alternated, at batch 1 and 64: the difference is the copy
-of each layer's weights that the scan's dynamic slice makes on XLA:CPU. The KV bytes the attention reads
-are reported next to the weights.
+the stacked weights, alternated, at batch 1 and 64: the difference is the copy of each layer's weights
+that the scan's dynamic slice makes on XLA:CPU. So the runner's decode steps on CPU run the layers unrolled
+over per-layer views of the weights (``decode_layers``); that step is timed against the same step as a
+layer scan, alternated, with each one's first step (its compile). The KV bytes the attention reads are
+reported next to the weights.
 
 Also one 2048-token prefill step (16 fresh prompts x 128 tokens, the jitted forward): its useful FLOP rate
 as a share of the matmul rate measured in the same repeat.
@@ -52,7 +54,7 @@ def kv_bytes(cfg, batch: int, slots: int) -> int:
 
 
 class DecodeBench:
-    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto"):
+    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto"):
         import jax
 
         from pipejax.pp_utils import stage_mesh
@@ -65,7 +67,7 @@ class DecodeBench:
         limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches),
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
         self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
-                                  decode_attention=decode_attention)
+                                  decode_attention=decode_attention, decode_layers=decode_layers)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 
@@ -79,6 +81,15 @@ class DecodeBench:
 
     def step(self, size: int) -> None:
         self.runner.execute(self.batch(size))
+
+    def compile_steps(self, sizes: list[int]) -> dict[int, float]:
+        """Seconds of each size's first step, its compile included."""
+        first = {}
+        for size in sizes:
+            start = time.perf_counter()
+            self.step(size)
+            first[size] = time.perf_counter() - start
+        return first
 
     def prefill_forward(self):
         """A thunk running the jitted forward of one 2048-token prefill step (16 fresh prompts x 128 tokens)."""
@@ -191,8 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = 5 if args.quick else 10
     bench = DecodeBench(bench_model(), batches)
     cfg = bench.cfg
-    for b in batches:
-        bench.step(b)  # compile
+    first_step_s = bench.compile_steps(batches)
     prefill = bench.prefill_forward()
     prefill()  # compile
     per_repeat: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
@@ -227,7 +237,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
+    bench_layers = bench.runner.decode_layers
     slots = parts["shape"][4] * bench.block
+    # The runner's decode step with its layers unrolled over per-layer views of the weights (its default on CPU)
+    # against the same step as a layer scan over the stacked weights, alternated; and each one's first step.
+    layers_ab = None
+    if bench.runner.decode_layers == "unrolled":
+        scan = DecodeBench(bench_model(), batches, decode_layers="scan")
+        scan_first_s = scan.compile_steps(list(layer_loop))
+        ab: dict[int, dict[str, list[float]]] = {n: {"unrolled_ms": [], "scan_ms": []} for n in layer_loop}
+        for _ in range(3):
+            for n, times in ab.items():
+                times["unrolled_ms"].append(statistics.median(timed(lambda n=n: bench.step(n), steps)) * 1e3)
+                times["scan_ms"].append(statistics.median(timed(lambda n=n: scan.step(n), steps)) * 1e3)
+        layers_ab = {n: {k: summary(v) for k, v in times.items()} | {"unrolled_first_s": first_step_s[n],
+                                                                       "scan_first_s": scan_first_s[n]}
+                     for n, times in ab.items()}
+        del scan
     # The same step with XLA's formulation of the decode attention (the block-table gather), side by side.
     xla_parts = None
     if bench.runner.decode_attention != "xla":
@@ -251,6 +277,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
         "layer_loop_ms": layer_loop,
+        "decode_layers": bench_layers,
+        "unrolled_vs_scan": layers_ab,
+        "first_step_s": first_step_s,
         "kv_gather_ms": gather_ms,
         "weight_bytes": step_cost(cfg, b)[1],
         "matmul_params": (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2,

@@ -356,23 +356,30 @@ def stage_forward(
     decode_kernel: Callable | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
+    ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
+    weights replaced by ``"layers"``: a list of per-layer dicts (``per_layer``), read by unrolled layers.
     ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    layers = {name.removeprefix("layers."): w for name, w in params.items() if name.startswith("layers.")}
-
-    def body(carry, layer):
-        x, k_all, v_all = carry
-        p, idx = layer
-        x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel)
-        return (x, k_all, v_all), None
-
     k_all, v_all = kv_cache
-    num_layers = k_all.shape[0]
-    (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(num_layers)))
+    if "layers" in params:  # one array per layer and weight (see ``per_layer``): the layers one after another
+        for i, p in enumerate(params["layers"]):
+            x, k_all, v_all = decoder_layer(x, p, k_all, v_all, i, inp, cfg, inv_freq, shape, block_size,
+                                            decode_kernel)
+    else:  # stacked [L, ...] weights: a scan over the layers
+        layers = {name.removeprefix("layers."): w for name, w in params.items() if name.startswith("layers.")}
+
+        def body(carry, layer):
+            x, k_all, v_all = carry
+            p, idx = layer
+            x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size,
+                                            decode_kernel)
+            return (x, k_all, v_all), None
+
+        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(k_all.shape[0])))
     if not stage.is_last:
         return x, (k_all, v_all)
     x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
-from pipejax.runner import cpu_decode_attention
+from pipejax.runner import cpu_decode_attention, layer_views
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
@@ -47,6 +47,7 @@ class StageRunner:
         model_impl: str = "jax",
         scheduler: SchedulerConfig = SchedulerConfig(),
         decode_attention: str = "auto",
+        decode_layers: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -77,6 +78,16 @@ class StageRunner:
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),
         )
+        self.decode_layers = self._choose_decode_layers(decode_layers)
+        self._decode_params = None
+        if self.decode_layers == "unrolled":
+            try:
+                self._decode_params = layer_views.per_layer(self.params)
+            except RuntimeError as e:  # a weight whose layers cannot be aliased: the scan, not a second copy
+                if decode_layers == "unrolled":
+                    raise
+                log.warning("stage %d: decode steps run the layer scan: %s", stage.pp_rank, e)
+                self.decode_layers = "scan"
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
 
@@ -92,6 +103,21 @@ class StageRunner:
                 f"numba {'installed' if cpu_decode_attention.available() else 'missing'}); use 'auto'"
             )
         return "cpu-kernel" if wanted != "xla" and fits else "xla"
+
+    def _choose_decode_layers(self, wanted: str) -> str:
+        """How a decode step runs the stage's layers: "unrolled" over per-layer views of the weights (CPU
+        stages of the native model: XLA:CPU's scan copies each layer's weights before its dots read them,
+        see ``layer_views``), or "scan" over the stacked weights (everything else, and every prefill step:
+        its weights are read once for many tokens, and an unrolled prefill compiles several times longer)."""
+        if wanted not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"decode_layers={wanted!r}; use 'auto', 'scan' or 'unrolled'")
+        fits = self.impl is NATIVE and all(d.platform == "cpu" for d in self.mesh.devices.flat)
+        if wanted == "unrolled" and not fits:
+            raise ValueError(
+                f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
+                f"{self.impl.name!r} on {self.mesh.devices.flat[0].platform}); use 'auto'"
+            )
+        return "unrolled" if wanted != "scan" and fits else "scan"
 
     # --- KV cache ---------------------------------------------------------------------------
 
@@ -163,7 +189,9 @@ class StageRunner:
                 len(self.compiled_shapes),
                 self.buckets.count(),
             )
-        out, self.kv_cache = self._step(self.params, self._require_cache(), inputs, hidden_in, shape=shape)
+        unrolled = self._decode_params is not None and not shape.prefill_rows
+        params = self._decode_params if unrolled else self.params
+        out, self.kv_cache = self._step(params, self._require_cache(), inputs, hidden_in, shape=shape)
         return out
 
     def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None):
