@@ -69,6 +69,12 @@ def _handler() -> Any:
     return handler  # cached: the compiled code lives as long as the process
 
 
+def prepare() -> bool:
+    """Build (or load from numba's cache) the kernel now rather than at the first decode trace; whether it
+    is available. For callers that time compiles and want the kernel's own build kept out of them."""
+    return _handler() is not None
+
+
 def usable(dtype, devices: list[jax.Device]) -> bool:
     """Whether a stage on ``devices`` with a cache of ``dtype`` can use the kernel: CPU devices, float32."""
     return all(d.platform == "cpu" for d in devices) and jnp.dtype(dtype) == jnp.float32 and available()
