@@ -18,14 +18,13 @@ step is in the runner README and BENCHMARKS.md's decode section.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from decode_bench import timed  # noqa: E402  (this folder's; run as a script)
 
 L, E, F = 12, 768, 2048
 SHAPES = {"qkv": (E, 3 * E), "o": (E, E), "gate": (E, F), "up": (E, F), "down": (F, E)}
@@ -65,13 +64,7 @@ def main() -> None:
         x = jnp.ones((batch, E), jnp.float32)
         for name, fn, weights in (("scan over stacked", scanned, stacked), ("loop over per-layer arrays", per_layer,
                                   layers), ("static slices of stacked", static_slices, stacked)):
-            fn(x, weights).block_until_ready()
-            times = []
-            for _ in range(10):
-                start = time.perf_counter()
-                fn(x, weights).block_until_ready()
-                times.append(time.perf_counter() - start)
-            t = statistics.median(times)
+            t = timed(lambda fn=fn, x=x, w=weights: fn(x, w).block_until_ready(), 10)[0]
             print(f"batch {batch:2d}  {name:27s} {t * 1e3:7.1f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights")
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 SETTINGS = [
     "",
@@ -40,6 +38,7 @@ def probe() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from decode_bench import timed  # this folder's (run as a script)
 
     rng = np.random.default_rng(0)
     matmul = jax.jit(lambda x, y: x @ y)
@@ -47,13 +46,8 @@ def probe() -> None:
     for m, k, n in SHAPES:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
         y = jnp.asarray(rng.standard_normal((k, n), np.float32))
-        matmul(x, y).block_until_ready()
-        times = []
-        for _ in range(9):
-            start = time.perf_counter()
-            matmul(x, y).block_until_ready()
-            times.append(time.perf_counter() - start)
-        out.append(f"{m}x{k}x{n} {2 * m * k * n / statistics.median(times) / 1e9:4.0f}")
+        median = timed(lambda x=x, y=y: matmul(x, y).block_until_ready(), 9)[0]
+        out.append(f"{m}x{k}x{n} {2 * m * k * n / median / 1e9:4.0f}")
     print(" | ".join(out))
 
 

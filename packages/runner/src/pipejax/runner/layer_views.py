@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-LAYER_PREFIX = "layers."
+from pipejax.runner.model import LAYER_PREFIX, stacked_layers
+
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
 # bytes the CPU backend needs to adopt it); a larger one that is not aliased is an error, not a second copy.
 MAX_COPIED_BYTES = 64 << 10
@@ -40,9 +41,8 @@ def _layers_of(w: jax.Array) -> list[jax.Array]:
 def per_layer(params: dict[str, jax.Array]) -> dict:
     """``params`` with its stacked ``layers.*`` weights replaced by ``"layers"``: one dict per layer of arrays
     aliasing them (CPU devices only; raises where a layer larger than ``MAX_COPIED_BYTES`` would be copied)."""
-    stacked = {name: w for name, w in params.items() if name.startswith(LAYER_PREFIX)}
-    views = {name.removeprefix(LAYER_PREFIX): _layers_of(w) for name, w in stacked.items()}
+    views = {name: _layers_of(w) for name, w in stacked_layers(params).items()}
     num_layers = len(next(iter(views.values())))
-    out = {name: w for name, w in params.items() if name not in stacked}
+    out = {name: w for name, w in params.items() if not name.startswith(LAYER_PREFIX)}
     out["layers"] = [{name: arrays[i] for name, arrays in views.items()} for i in range(num_layers)]
     return out

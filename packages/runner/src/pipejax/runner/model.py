@@ -96,6 +96,14 @@ def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int
     return ParamSpec(shape, (None, None, None, "kv_heads", None))
 
 
+LAYER_PREFIX = "layers."  # the stacked [L, ...] layer weights' names in ``param_specs``
+
+
+def stacked_layers(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The stacked layer weights of ``params``, by their names without ``LAYER_PREFIX`` (e.g. "q", "down")."""
+    return {name.removeprefix(LAYER_PREFIX): w for name, w in params.items() if name.startswith(LAYER_PREFIX)}
+
+
 class StepShape(NamedTuple):
     """The padded shape of one step (static: each distinct value compiles once).
 
@@ -357,29 +365,27 @@ def stage_forward(
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
     ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
-    weights replaced by ``"layers"``: a list of per-layer dicts (``per_layer``), read by unrolled layers.
+    weights replaced by ``"layers"``: a list of per-layer dicts (``layer_views.per_layer``), read in turn.
     ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-    k_all, v_all = kv_cache
-    if "layers" in params:  # one array per layer and weight (see ``per_layer``): the layers one after another
+
+    def layer(carry, p, idx):
+        x, k_all, v_all = carry
+        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel)
+
+    carry = (x, *kv_cache)
+    if "layers" in params:  # one array per layer and weight (``layer_views.per_layer``): the layers in turn
         for i, p in enumerate(params["layers"]):
-            x, k_all, v_all = decoder_layer(x, p, k_all, v_all, i, inp, cfg, inv_freq, shape, block_size,
-                                            decode_kernel)
+            carry = layer(carry, p, i)
     else:  # stacked [L, ...] weights: a scan over the layers
-        layers = {name.removeprefix("layers."): w for name, w in params.items() if name.startswith("layers.")}
-
-        def body(carry, layer):
-            x, k_all, v_all = carry
-            p, idx = layer
-            x, k_all, v_all = decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size,
-                                            decode_kernel)
-            return (x, k_all, v_all), None
-
-        (x, k_all, v_all), _ = jax.lax.scan(body, (x, k_all, v_all), (layers, jnp.arange(k_all.shape[0])))
+        num_layers = kv_cache[0].shape[0]
+        carry, _ = jax.lax.scan(lambda c, xs: (layer(c, *xs), None), carry,
+                                (stacked_layers(params), jnp.arange(num_layers)))
+    x, k_all, v_all = carry
     if not stage.is_last:
         return x, (k_all, v_all)
     x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]

@@ -78,16 +78,14 @@ class StageRunner:
             donate_argnums=(1,),
             out_shardings=(self._replicated, self._cache_shardings()),
         )
-        self.decode_layers = self._choose_decode_layers(decode_layers)
-        self._decode_params = None
-        if self.decode_layers == "unrolled":
+        self._decode_params = None  # per-layer views, where decode steps run the layers unrolled
+        if self._choose_decode_layers(decode_layers) == "unrolled":
             try:
                 self._decode_params = layer_views.per_layer(self.params)
             except RuntimeError as e:  # a weight whose layers cannot be aliased: the scan, not a second copy
                 if decode_layers == "unrolled":
                     raise
                 log.warning("stage %d: decode steps run the layer scan: %s", stage.pp_rank, e)
-                self.decode_layers = "scan"
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
 
@@ -118,6 +116,11 @@ class StageRunner:
                 f"{self.impl.name!r} on {self.mesh.devices.flat[0].platform}); use 'auto'"
             )
         return "unrolled" if wanted != "scan" and fits else "scan"
+
+    @property
+    def decode_layers(self) -> str:
+        """How decode steps run the layers here: "unrolled" (over per-layer views) or "scan"."""
+        return "scan" if self._decode_params is None else "unrolled"
 
     # --- KV cache ---------------------------------------------------------------------------
 
