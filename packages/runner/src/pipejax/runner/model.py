@@ -326,7 +326,9 @@ def attention(
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
     out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel)
-    return jnp.einsum("thd,hde->te", out, p["o"]), k_cache, v_cache
+    # (h, d) contracted in the weight's memory order: jnp.einsum orders them (d, h), and XLA then copies o
+    # transposed every step (a scan's dynamic slice hides that copy; per-layer views do not).
+    return jax.lax.dot_general(out, p["o"], (((1, 2), (0, 1)), ((), ()))), k_cache, v_cache
 
 
 def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None):
