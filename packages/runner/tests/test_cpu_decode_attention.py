@@ -45,12 +45,16 @@ def test_matches_numpy_attention(heads, window):
                                    rtol=1e-5, atol=1e-5, err_msg=f"layer {layer}")
 
 
-@pytest.mark.parametrize("rows,kv_heads", [(3, 4), (9, 4), (1, 1)])
-def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads):
+@pytest.mark.parametrize("rows,kv_heads,B,spread", [(3, 4, 72, True), (9, 4, 8, True), (1, 1, 72, True),
+                                                     (2, 4, 6, False)])
+def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads, B, spread):
     """Few rows: each row's KV heads are split between tasks (3 rows x 4 KV heads: unevenly); many: one task
-    per row."""
+    per row; few rows of short context (2 x 96 slots): all on the calling thread."""
+    from pipejax.runner import cpu_decode_kernel
+
+    assert (rows * B * BLOCK >= cpu_decode_kernel._MIN_PARALLEL_SLOTS) == spread  # the case tests what it says
     rng = np.random.default_rng(rows)
-    B, H = 6, 2 * kv_heads
+    H = 2 * kv_heads
     k = rng.standard_normal((L, N, BLOCK, kv_heads, D), np.float32)
     v = rng.standard_normal((L, N, BLOCK, kv_heads, D), np.float32)
     q = rng.standard_normal((rows, H, D), np.float32)

@@ -42,6 +42,11 @@ def _int64s(addr, n):
 # Tasks a parallel call makes at least (where the rows' KV heads allow). A constant, not numba's thread count:
 # reading that inside the function would keep numba from caching it.
 _MIN_TASKS = 8
+# Below this many context slots (rows x padded context) a call stays on the calling thread: waking the pool costs
+# more than it saves. In the runner's decode step (12 layers, context 129, 2 CPUs) the kernel took 1.6-1.9 ms on
+# one thread against 3.7-4.0 ms spread at 1 row, 3.8-4.1 against 6.7-7.8 at 4, 5.3-8.2 against 5.9-6.2 at 8,
+# 12.5-13.1 against 9.4-9.6 at 16 (profiler, 2026-12-01).
+_MIN_PARALLEL_SLOTS = 1024
 
 
 @numba.njit(fastmath=True, inline="always")
@@ -115,9 +120,13 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, ou
 @numba.njit(fastmath=True, cache=True, parallel=True)
 def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
     """The rows spread over numba's threads (TBB: safe for concurrent callers); with fewer than ``_MIN_TASKS``
-    rows, each row's KV heads are split between tasks too, so that a single long row is not left to one thread."""
+    rows, each row's KV heads are split between tasks too, so that a single long row is not left to one thread.
+    Calls with fewer than ``_MIN_PARALLEL_SLOTS`` context slots run on the calling thread."""
     R, H, D = q.shape
     K = cache_shape[3]
+    if R * tables.shape[1] * cache_shape[2] < _MIN_PARALLEL_SLOTS:
+        _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out)
+        return
     splits = min(K, -(-_MIN_TASKS // R))
     for task in numba.prange(R * splits):
         r, part = task // splits, task % splits

@@ -178,7 +178,7 @@ class StageRunner:
         """A step's host work: the padded shape of ``batch`` and its inputs on the stage's devices."""
         shape = self.step_shape(batch)
         host = build_step_inputs(batch, shape, self.block_size)
-        return shape, StepInputs(*(jax.device_put(a, self._replicated) for a in host))
+        return shape, StepInputs(*jax.device_put(tuple(host), self._replicated))  # one batched transfer
 
     def forward(self, inputs: StepInputs, shape: StepShape, hidden_in: jax.Array | None = None) -> jax.Array:
         """The jitted step on prepared inputs (it writes the KV cache): hidden states [T, E], or on the
