@@ -28,18 +28,23 @@ def test_logits_match_transformers(checkpoint, pp, tp):
 
 
 # Decode rows attend with the CPU kernel ("cpu-kernel", the default here) or XLA's formulation (TPU, bf16); decode
-# steps run the layers unrolled over per-layer views of the weights (the default on CPU) or as a scan (elsewhere).
+# steps run the layers unrolled over per-layer views of the weights (the default on CPU) or as a scan (elsewhere);
+# the 4-row decode steps' dots run on YNNPACK or XLA's own dot (``cpu_dots``: measured by default), both tested here.
 @pytest.mark.parametrize(
-    "pp,tp,chunk,attention,layers",
-    [(1, 1, None, "cpu-kernel", "unrolled"), (2, 2, 4, "cpu-kernel", "unrolled"), (4, 2, 5, "cpu-kernel", "unrolled"),
-     (1, 1, None, "xla", "scan"), (2, 2, 4, "xla", "scan")],
-    ids=["pp1tp1", "pp2tp2-chunk4", "pp4tp2-chunk5", "pp1tp1-xla-scan", "pp2tp2-chunk4-xla-scan"],
+    "pp,tp,chunk,attention,layers,dots",
+    [(1, 1, None, "cpu-kernel", "unrolled", "eigen"), (2, 2, 4, "cpu-kernel", "unrolled", "ynnpack"),
+     (4, 2, 5, "cpu-kernel", "unrolled", "eigen"), (1, 1, None, "xla", "scan", "ynnpack"),
+     (2, 2, 4, "xla", "scan", "eigen")],
+    ids=["pp1tp1-eigen", "pp2tp2-chunk4-ynnpack", "pp4tp2-chunk5-eigen", "pp1tp1-xla-scan-ynnpack",
+         "pp2tp2-chunk4-xla-scan-eigen"],
 )
-def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk, attention, layers):
+def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk, attention, layers, dots):
     path, model = checkpoint
     expected = hf_greedy(model, PROMPTS, 32)
-    stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention, decode_layers=layers)
-    assert [(s.decode_attention, s.decode_layers) for s in stages.stages] == [(attention, layers)] * pp
+    stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention, decode_layers=layers,
+                           few_row_dots=dots)
+    assert [(s.decode_attention, s.decode_layers, s.few_row_dots) for s in stages.stages] == [
+        (attention, layers, dots)] * pp
     assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
 
 
