@@ -242,7 +242,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
-    bench_layers = bench.runner.decode_layers
+    from pipejax.runner import cpu_dots
+
+    bench_layers, bench_dots = bench.runner.decode_layers, bench.runner.few_row_dots
     slots = parts["shape"][4] * bench.block
     # The runner's decode step with its layers unrolled over per-layer views of the weights (its default on CPU)
     # against the same step as a layer scan over the stacked weights, alternated; and each one's first step.
@@ -283,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dense_matmuls_ms": dense_ms,
         "layer_loop_ms": layer_loop,
         "decode_layers": bench_layers,
+        "few_row_dots": bench_dots,
+        "few_row_dots_rows": list(cpu_dots.FEW_ROWS),
         "unrolled_vs_scan": layers_ab,
         "first_step_s": first_step_s,
         "kv_gather_ms": gather_ms,
