@@ -4,8 +4,9 @@ XLA:CPU compiles the block-table gather of ``model.decode_attention`` to loop co
 a fraction of the machine's bandwidth (BENCHMARKS.md, decode section). The kernel
 (``cpu_decode_kernel``) walks each row's block table itself and reads every K and V slot it needs once,
 straight from the cache buffers: one pass for the scores of all query heads that share a KV head, one
-for the weighted values. The (row, KV head) pairs are spread over numba's threads on TBB (the ``tbb``
-wheel; one thread, with a warning, where it cannot be loaded).
+for the weighted values. The rows (and, when there are few, their KV heads) are spread over numba's threads
+on TBB (the ``tbb`` wheel; one thread, with a warning, where it cannot be loaded); a call of little context
+stays on the calling thread.
 
 Nothing is compiled at install time: the first decode step traced on a CPU stage imports numba and
 builds the handler (cached on disk); if that fails, a warning says so and XLA's formulation is traced
