@@ -442,8 +442,9 @@ class Report:
         if dd.get("few_row_dots"):
             lo, hi = dd["few_row_dots_rows"]
             out += ["", f"Decode steps of {lo}-{hi} rows ran their dots on **{dd['few_row_dots']}** here "
-                    "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu_dots`: at start the runner times a 16-row "
-                    "pair of MLP dots with XLA:CPU's default YNNPACK fusions and without them, and picks XLA's own "
+                    "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu_dots`: at its first such step the runner "
+                    "times a 16-row pair of MLP dots with XLA:CPU's default YNNPACK fusions and without them, and "
+                    "picks XLA's own "
                     "dot, \"eigen\", only where it is clearly faster); every other step keeps XLA's default."]
         one = _key(dd["decode"], 1) if "1" in dd["decode"] or 1 in dd["decode"] else None
         if one and one["ratio"]["median"] > 1.3 and loop:

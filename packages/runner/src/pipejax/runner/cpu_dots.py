@@ -5,9 +5,9 @@ a few rows against a weight matrix far below XLA's own dot: on a 2-CPU AMD EPYC 
 model's decode step took 79 against 126 ms at 16 rows without YNNPACK (the profiler put its MLP dots of
 16 x 768 x 2048 at 1.6 GB/s of weights), 74-86 against 109-117 ms at 8 rows and 122-152 against 169-175 at 32,
 while 64 rows ran as fast or faster with it (2026-12-01, ``decode_bench.py`` with XLA_FLAGS alternated). So
-the choice is measured, once per process, on the machine at hand: a pair of MLP dots at 16 rows, compiled
-both ways and timed alternately. Decode steps of ``FEW_ROWS`` rows compile without YNNPACK only where that
-pair runs clearly faster so; every other step keeps XLA's default.
+the choice is measured, once per process (at the first few-row decode step), on the machine at hand: a pair
+of MLP dots at 16 rows, compiled both ways and timed alternately. Decode steps of ``FEW_ROWS`` rows compile
+without YNNPACK only where that pair runs clearly faster so; every other step keeps XLA's default.
 """
 
 from __future__ import annotations

@@ -73,13 +73,10 @@ class StageRunner:
         self.decode_attention = self._choose_decode_attention(decode_attention)
         if self.decode_attention == "cpu-kernel":
             forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
-        jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
-                                     out_shardings=(self._replicated, self._cache_shardings()))
-        self._step = jit_step()
-        self.few_row_dots = self._choose_few_row_dots(few_row_dots)
-        # Decode steps of a few rows, compiled without YNNPACK where that measured faster (``cpu_dots``).
-        self._few_row_step = jit_step(compiler_options=cpu_dots.WITHOUT_YNNPACK) if self.few_row_dots == "eigen" \
-            else self._step
+        self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
+                                           out_shardings=(self._replicated, self._cache_shardings()))
+        self._step = self._jit_step()
+        self._few_row_dots = self._check_few_row_dots(few_row_dots)
         self._decode_params = None  # per-layer views, where decode steps run the layers unrolled
         if self._choose_decode_layers(decode_layers) == "unrolled":
             try:
@@ -119,9 +116,8 @@ class StageRunner:
             )
         return "unrolled" if wanted != "scan" and fits else "scan"
 
-    def _choose_few_row_dots(self, wanted: str) -> str | None:
-        """Which library XLA:CPU runs the dots of decode steps of a few rows with: "ynnpack" (XLA's default) or
-        "eigen" (XLA's own dot); "auto" measures which is faster here (``cpu_dots``). None off CPU."""
+    def _check_few_row_dots(self, wanted: str) -> str | None:
+        """``wanted`` for ``few_row_dots`` ("auto" is measured when first needed); None off CPU."""
         if wanted not in ("auto", *cpu_dots.CHOICES):
             raise ValueError(f"few_row_dots={wanted!r}; use 'auto', 'ynnpack' or 'eigen'")
         if not all(d.platform == "cpu" for d in self.mesh.devices.flat):
@@ -129,7 +125,21 @@ class StageRunner:
                 raise ValueError(f"few_row_dots={wanted!r} is an XLA:CPU choice; these are "
                                  f"{self.mesh.devices.flat[0].platform} devices: use 'auto'")
             return None
-        return cpu_dots.measured_choice() if wanted == "auto" else wanted
+        return wanted
+
+    @property
+    def few_row_dots(self) -> str | None:
+        """Which library XLA:CPU runs the dots of decode steps of a few rows with: "ynnpack" (XLA's default) or
+        "eigen" (XLA's own dot); with "auto", measured here at the first such step (``cpu_dots``, not while the
+        weights load). None off CPU."""
+        if self._few_row_dots == "auto":
+            self._few_row_dots = cpu_dots.measured_choice()
+        return self._few_row_dots
+
+    @functools.cached_property
+    def _few_row_step(self):
+        """The jitted step for decode steps of a few rows: without YNNPACK where that measured faster."""
+        return self._jit_step(compiler_options=cpu_dots.WITHOUT_YNNPACK) if self.few_row_dots == "eigen" else self._step
 
     @property
     def decode_layers(self) -> str:
