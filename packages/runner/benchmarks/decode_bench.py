@@ -152,7 +152,7 @@ def main() -> None:
                         help="a scan over stacked weights, or unrolled layers over per-layer views "
                         "(auto: unrolled on CPU)")
     parser.add_argument("--few-row-dots", choices=("auto", "ynnpack", "eigen"), default="auto",
-                        help="the library of the dots of 4-32-row decode steps (auto: measured at start)")
+                        help="the library of the dots of 4-32-row decode steps (auto: measured at the first such step)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     args = parser.parse_args()
 
