@@ -24,8 +24,10 @@ from pipejax.runner.runner import StageRunner
 from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
-# pp x tp up to 12 on 8 simulated devices: stages of one in-process chain may share devices.
-LAYOUTS = [(pp, tp) for tp in (1, 3) for pp in (1, 2, 3, 4)]
+# pp x tp up to 12 on 8 simulated devices: stages of one in-process chain may share devices. Every pp from 1 to 4
+# and both tp (3 divides SmolLM2's 9 heads, 3 KV heads and 49152-token vocabulary), each pp once rather than all
+# 8 pairs: test_model_vs_hf checks the layouts themselves; this checks SmolLM2's file under each pp and tp.
+LAYOUTS = [(1, 1), (2, 3), (3, 1), (4, 3)]
 
 
 @pytest.fixture(scope="module")

@@ -9,17 +9,33 @@ LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (4, 1
 PARTITION = {3: "1,3,2"}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45)), [17] * 13]
 
+# Pairwise, not the full product (which took half of this package's tests): Llama on every layout, and each
+# other architecture where it differs from Llama -- Qwen2's q/k/v biases and Qwen3's q/k norms and head_dim
+# 24 under TP and PP, on both decode attention paths. Mistral is Llama plus a sliding window here, which
+# ``test_sliding_window_decode_matches_generate`` checks on both paths.
+LOGIT_CASES = [("LlamaForCausalLM", pp, tp) for pp, tp in LAYOUTS] + [
+    (arch, pp, tp) for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") for pp, tp in [(1, 4), (2, 2), (3, 2)]
+] + [("MistralForCausalLM", 1, 1)]
+assert {arch for arch, _, _ in LOGIT_CASES} == set(ARCHS)
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
-def checkpoint(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    model = make_hf_checkpoint(path, request.param)
-    return path, model
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> (checkpoint folder, transformers model), each made once."""
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(arch)
+            made[arch] = path, make_hf_checkpoint(path, arch)
+        return made[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}tp{t}" for p, t in LAYOUTS])
-def test_logits_match_transformers(checkpoint, pp, tp):
-    path, model = checkpoint
+@pytest.mark.parametrize("arch,pp,tp", LOGIT_CASES, ids=[f"{a}-pp{p}tp{t}" for a, p, t in LOGIT_CASES])
+def test_logits_match_transformers(checkpoints, arch, pp, tp):
+    path, model = checkpoints(arch)
     expected = hf_logits(model, PROMPTS)
     got = ChainedStages(path, pp, tp, PARTITION.get(pp)).logits(prefill_batch(PROMPTS))
     for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
@@ -30,16 +46,23 @@ def test_logits_match_transformers(checkpoint, pp, tp):
 # Decode rows attend with the CPU kernel ("cpu-kernel", the default here) or XLA's formulation (TPU, bf16); decode
 # steps run the layers unrolled over per-layer views of the weights (the default on CPU) or as a scan (elsewhere);
 # the 4-row decode steps' dots run on YNNPACK or XLA's own dot (``cpu_dots``: measured by default), both tested here.
-@pytest.mark.parametrize(
-    "pp,tp,chunk,attention,layers,dots",
-    [(1, 1, None, "cpu-kernel", "unrolled", "eigen"), (2, 2, 4, "cpu-kernel", "unrolled", "ynnpack"),
-     (4, 2, 5, "cpu-kernel", "unrolled", "eigen"), (1, 1, None, "xla", "scan", "ynnpack"),
-     (2, 2, 4, "xla", "scan", "eigen")],
-    ids=["pp1tp1-eigen", "pp2tp2-chunk4-ynnpack", "pp4tp2-chunk5-eigen", "pp1tp1-xla-scan-ynnpack",
-         "pp2tp2-chunk4-xla-scan-eigen"],
-)
-def test_greedy_decode_matches_generate(checkpoint, pp, tp, chunk, attention, layers, dots):
-    path, model = checkpoint
+DECODE = {  # id: (pp, tp, chunk, attention, layers, dots)
+    "pp1tp1-eigen": (1, 1, None, "cpu-kernel", "unrolled", "eigen"),
+    "pp2tp2-chunk4-ynnpack": (2, 2, 4, "cpu-kernel", "unrolled", "ynnpack"),
+    "pp4tp2-chunk5-eigen": (4, 2, 5, "cpu-kernel", "unrolled", "eigen"),
+    "pp1tp1-xla-scan-ynnpack": (1, 1, None, "xla", "scan", "ynnpack"),
+    "pp2tp2-chunk4-xla-scan-eigen": (2, 2, 4, "xla", "scan", "eigen"),
+}
+DECODE_CASES = [("LlamaForCausalLM", name) for name in DECODE] + [
+    (arch, name) for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    for name in ("pp2tp2-chunk4-ynnpack", "pp2tp2-chunk4-xla-scan-eigen")
+]
+
+
+@pytest.mark.parametrize("arch,case", DECODE_CASES, ids=[f"{a}-{c}" for a, c in DECODE_CASES])
+def test_greedy_decode_matches_generate(checkpoints, arch, case):
+    pp, tp, chunk, attention, layers, dots = DECODE[case]
+    path, model = checkpoints(arch)
     expected = hf_greedy(model, PROMPTS, 32)
     stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention, decode_layers=layers,
                            few_row_dots=dots)
