@@ -27,11 +27,10 @@ SIM_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLA
 # (PYTHONDONTWRITEBYTECODE dropped): pip otherwise compiles every file of torch, transformers, jax..., most never
 # imported (the worker's test venv: 69 s against 134 s to install; importing torch, transformers and jax then
 # takes ~15 s longer once).
-TEST_ENV = {**SIM_DEVICES, "XLA_FLAGS": SIM_DEVICES["XLA_FLAGS"] + " --xla_backend_optimization_level=0",
-            "PYTHONDONTWRITEBYTECODE": None}
+LAZY_BYTECODE, LAZY_ENV = "--no-compile", {"PYTHONDONTWRITEBYTECODE": None}  # pip's flag; the processes' env
+TEST_ENV = {**SIM_DEVICES, "XLA_FLAGS": SIM_DEVICES["XLA_FLAGS"] + " --xla_backend_optimization_level=0", **LAZY_ENV}
 # The multihost test runs more than it compiles: at -O0 it took 133 s against 98 (clean-clone CI runs).
-MULTIHOST_ENV = {**SIM_DEVICES, "PYTHONDONTWRITEBYTECODE": None}
-LAZY_BYTECODE = "--no-compile"
+MULTIHOST_ENV = {**SIM_DEVICES, **LAZY_ENV}
 
 nox.options.default_venv_backend = "venv"  # pip, which finds the CPU torch build on this machine
 nox.options.reuse_existing_virtualenvs = True
@@ -278,13 +277,12 @@ def vllm(session: nox.Session) -> None:
     layers = [str(PACKAGES / d)
               for d in ("pp-utils", "runner", "worker", "platform-tpu", "ray-executor", "test-support")]
     session.install(LAZY_BYTECODE, "-c", constraints, *layers, "pytest", "pytest-timeout", "openai")
-    lazy = {"PYTHONDONTWRITEBYTECODE": None}  # see LAZY_BYTECODE
-    session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu", **lazy})
-    session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": "", **lazy})
+    session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu", **LAZY_ENV})
+    session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": "", **LAZY_ENV})
     # Ray refuses a temp dir inside the venv, where create_tmp() pointed TMPDIR.
     tmp = {"TMPDIR": os.environ.get("TMPDIR", "/tmp")}
     if session.posargs[:1] == ["bench"]:
         session.run("python", str(PACKAGES / "ray-executor" / "benchmarks" / "vllm_host.py"), *session.posargs[1:],
-                    env={**SIM_DEVICES, **tmp, **lazy})
+                    env={**SIM_DEVICES, **tmp, **LAZY_ENV})
         return
     session.run("pytest", str(VLLM_TESTS), "-q", "-rs", *session.posargs, env={**TEST_ENV, **tmp})
