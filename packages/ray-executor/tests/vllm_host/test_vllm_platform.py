@@ -37,9 +37,12 @@ def test_config_hides_tp_inside_each_stage(checkpoint):
     assert pc.worker_cls == "pipejax.worker.vllm_worker.VllmStageWorker"
     assert config.cache_config.block_size == 16
     assert config.scheduler_config.async_scheduling is False
-    # Each stage process gets 2 simulated devices of its own.
-    assert [env["XLA_FLAGS"] for env in opts["stage_environments"]] == [
-        "--xla_force_host_platform_device_count=2"] * 3
+    # Each stage process gets 2 simulated devices of its own, and keeps the driver's other XLA flags.
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    for env in opts["stage_environments"]:
+        flags = env["XLA_FLAGS"].split()
+        assert [f for f in flags if "host_platform_device_count" in f] == ["--xla_force_host_platform_device_count=2"]
+        assert sorted(f for f in flags if "host_platform_device_count" not in f) == sorted(others)
     # The platform reads PIPEJAX_COMPILATION_CACHE_DIR (the conftest's) for the workers, which read no environment.
     assert opts["compilation_cache_dir"] == os.environ["PIPEJAX_COMPILATION_CACHE_DIR"]
 
