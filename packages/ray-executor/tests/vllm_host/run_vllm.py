@@ -1,8 +1,8 @@
-"""One engine run in a fresh process: vLLM's own ``LLM`` on pipejax's platform, or pipejax's ``LLM``.
+"""One engine run in a fresh process: vLLM's own ``LLM`` on pipejax's platform.
 
     python run_vllm.py '<json spec>'   -> prints one line ``RESULT <json>``
 
-Spec: engine ("vllm" | "pipejax"), model, pp, tp, backend, prompt batches (lists of token-id
+Spec: model, pp, tp, backend, prompt batches (lists of token-id
 lists, generated one batch after the other), max_tokens, and vLLM options (num_gpu_blocks_override,
 max_num_batched_tokens). A Ray run starts a local cluster that declares one ``TPU`` resource per
 stage (what vLLM's Ray executors place workers by) and shares it with vLLM's engine core process.
@@ -51,22 +51,6 @@ def run_vllm(spec: dict) -> dict:
             ray.shutdown()
 
 
-def run_pipejax(spec: dict) -> dict:
-    from pipejax.ray_executor import LLM, SamplingParams
-
-    llm = LLM(model=spec["model"], pipeline_parallel_size=spec["pp"], tensor_parallel_size=spec["tp"],
-              pp_layer_partition=spec.get("partition"),
-              distributed_executor_backend="ray" if spec["backend"] == "ray" else "uni", dtype="float32",
-              max_model_len=256)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-        outputs = [[list(o.outputs[0].token_ids) for o in llm.generate(batch, params)] for batch in spec["batches"]]
-        return {"outputs": outputs}
-    finally:
-        llm.shutdown()
-
-
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
-    result = run_vllm(spec) if spec["engine"] == "vllm" else run_pipejax(spec)
-    print("RESULT " + json.dumps(result), flush=True)
+    print("RESULT " + json.dumps(run_vllm(spec)), flush=True)

@@ -3,7 +3,7 @@
 Each engine runs in a fresh process (``run_vllm.py``): vLLM's ``LLM`` with its scheduler (chunked
 prefill, prefix caching, preemption by a small KV cache) and executors (uni, mp, and both Ray
 executors), on JAX's CPU backend with simulated devices. The oracle is transformers' greedy
-``generate`` in fp32 on the same checkpoint; pipejax's own ``LLM`` runs the same prompts too.
+``generate`` in fp32 on the same checkpoint (the ray-executor tests hold pipejax's own ``LLM`` to it).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """arch -> (checkpoint folder, transformers model, pipejax's own engine outputs on ``workload()``)."""
+    """arch -> (checkpoint folder, transformers model, transformers' greedy outputs on ``workload()``)."""
     made: dict[str, tuple] = {}
 
     def get(arch: str):
@@ -53,9 +53,7 @@ def checkpoints(tmp_path_factory):
             path = tmp_path_factory.mktemp(arch)
             model = make_checkpoint(path, arch, vocab_size=VOCAB)
             write_byte_tokenizer(path, VOCAB)
-            spec = {"engine": "pipejax", "model": str(path), "pp": 1, "tp": 1, "backend": "uni",
-                    "batches": workload(), "max_tokens": MAX_TOKENS}
-            made[arch] = (str(path), model, run_engine(spec)["outputs"])
+            made[arch] = (str(path), model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()])
         return made[arch]
 
     return get
@@ -76,32 +74,32 @@ def workload(seed: int = 0) -> list[list[list[int]]]:
     return [batch(), batch()]
 
 
+# Each executor once (the compiled-graph Ray executor and `vllm serve` below run Llama at pp2 x tp2), and Qwen2's
+# biases split over TP and PP: not their full product, as each engine run takes 1.5-2.5 min (97-145 s, cold, 2 CPUs).
 LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split)
-    pytest.param("LlamaForCausalLM", 1, 1, "uni", None, id="llama-pp1-tp1-uni"),
     pytest.param("LlamaForCausalLM", 1, 2, "uni", None, id="llama-pp1-tp2-uni"),
     pytest.param("LlamaForCausalLM", 2, 1, "mp", None, id="llama-pp2-tp1-mp"),
-    pytest.param("LlamaForCausalLM", 2, 2, "ray", None, id="llama-pp2-tp2-ray"),
     pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", id="llama-pp3-tp2-ray-uneven"),
-    pytest.param("Qwen2ForCausalLM", 1, 2, "uni", None, id="qwen2-pp1-tp2-uni"),
-    pytest.param("Qwen2ForCausalLM", 2, 1, "mp", None, id="qwen2-pp2-tp1-mp"),
-    pytest.param("Qwen2ForCausalLM", 3, 2, "ray", "1,3,2", id="qwen2-pp3-tp2-ray-uneven"),
+    pytest.param("Qwen2ForCausalLM", 2, 2, "mp", None, id="qwen2-pp2-tp2-mp"),
 ]
 KV_BLOCKS = 24  # of 16 tokens: 16 concurrent prompts of up to 72 tokens do not fit, so vLLM preempts
 
 
+def assert_same_tokens(got: list[list[list[int]]], want: list[list[list[int]]]) -> None:
+    for b, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert len(g) == len(w), f"batch {b}: {len(g)} outputs for {len(w)} prompts"
+        bad = [i for i in range(len(w)) if g[i] != w[i]]
+        assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
+
+
 @pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition"), LAYOUTS)
-def test_vllm_engine_matches_transformers_and_pipejax(checkpoints, arch, pp, tp, backend, partition):
-    path, model, pipejax_outputs = checkpoints(arch)
-    batches = workload()
-    spec = {"engine": "vllm", "model": path, "pp": pp, "tp": tp, "backend": backend, "batches": batches,
+def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition):
+    path, _, want = checkpoints(arch)
+    spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": workload(),
             "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
     got = run_engine(spec, **env)
-    want = [hf_greedy(model, b, MAX_TOKENS) for b in batches]
-    for b, (g, w) in enumerate(zip(got["outputs"], want, strict=True)):
-        bad = [i for i in range(len(w)) if g[i] != w[i]]
-        assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
-    assert got["outputs"] == pipejax_outputs  # and pipejax's own engine agrees
+    assert_same_tokens(got["outputs"], want)
 
     stats = got["stats"]
     assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
@@ -121,11 +119,11 @@ def test_vllm_engine_matches_transformers_and_pipejax(checkpoints, arch, pp, tp,
 def test_legacy_compiled_graph_ray_executor(checkpoints):
     """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's compiled graph carries each stage's output to the
     next; pipejax hands it only a step handle while the activations take the transfer server."""
-    path, _, pipejax_outputs = checkpoints("LlamaForCausalLM")
-    spec = {"engine": "vllm", "model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": workload(),
+    path, _, want = checkpoints("LlamaForCausalLM")
+    spec = {"model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": workload(),
             "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     got = run_engine(spec, VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0")
-    assert got["outputs"] == pipejax_outputs  # (which the test above holds equal to transformers')
+    assert_same_tokens(got["outputs"], want)
     assert got["stats"][0]["activation_bytes_sent"] > 0 and got["stats"][1]["resumed"] > 0
 
 
