@@ -1,5 +1,6 @@
-"""Greedy outputs of the torchax path: token-identical to the native JAX path and to transformers'
-``generate``, for pp in {1, 2} x tp in {1, 2}, on Llama and Qwen2 checkpoints saved by transformers."""
+"""Greedy outputs of the torchax path token-identical to transformers' ``generate`` (the native JAX path
+is held to the same oracle by the runner's tests): Llama on pp in {1, 2} x tp in {1, 2}, Qwen2 (q/k/v
+biases split over TP) at pp2 tp2, on checkpoints saved by transformers."""
 
 from __future__ import annotations
 
@@ -9,28 +10,34 @@ import torch
 from bridge_helpers import PROMPTS, ChainedStages, greedy_generate, hf_greedy, make_hf_checkpoint, prefill_batch
 
 MAX_NEW_TOKENS = 6
-LAYOUTS = [(1, 1), (1, 2), (2, 1), (2, 2)]
+CASES = [("LlamaForCausalLM", 1, 1), ("LlamaForCausalLM", 1, 2), ("LlamaForCausalLM", 2, 1),
+         ("LlamaForCausalLM", 2, 2), ("Qwen2ForCausalLM", 2, 2)]  # not the product: 13-19 s each, cold (2 CPUs)
 
 
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def checkpoint(request, tmp_path_factory):
-    """(path, the transformers model, its greedy outputs)."""
-    path = tmp_path_factory.mktemp(request.param)
-    model = make_hf_checkpoint(path, request.param)
-    return path, model, hf_greedy(model, PROMPTS, MAX_NEW_TOKENS)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> (path, the transformers model, its greedy outputs)."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(arch)
+            model = make_hf_checkpoint(path, arch)
+            made[arch] = (path, model, hf_greedy(model, PROMPTS, MAX_NEW_TOKENS))
+        return made[arch]
+
+    return get
 
 
-@pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{pp}-tp{tp}" for pp, tp in LAYOUTS])
-def test_greedy_matches_native_and_transformers(checkpoint, pp, tp):
-    path, _, expected = checkpoint
-    native = greedy_generate(ChainedStages(path, pp, tp, "jax"), PROMPTS, MAX_NEW_TOKENS)
-    got = greedy_generate(ChainedStages(path, pp, tp, "torchax"), PROMPTS, MAX_NEW_TOKENS)
-    assert got == native
-    assert got == expected
+@pytest.mark.parametrize("arch,pp,tp", CASES, ids=[f"{a[:5].lower()}-pp{pp}-tp{tp}" for a, pp, tp in CASES])
+def test_greedy_matches_transformers(checkpoints, arch, pp, tp):
+    path, _, expected = checkpoints(arch)
+    assert greedy_generate(ChainedStages(path, pp, tp, "torchax"), PROMPTS, MAX_NEW_TOKENS) == expected
 
 
-def test_prefill_logits_match_transformers(checkpoint):
-    path, model, _ = checkpoint
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_prefill_logits_match_transformers(checkpoints, arch):
+    path, model, _ = checkpoints(arch)
     logits = ChainedStages(path, 2, 2, "torchax").logits(prefill_batch(PROMPTS))
     with torch.no_grad():
         ref = [model(torch.tensor([p])).logits[0, -1].numpy() for p in PROMPTS]
