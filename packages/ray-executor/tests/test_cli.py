@@ -7,6 +7,9 @@ import sys
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # The CLI sets the device count itself; other XLA flags (the test sessions' -O0) stay.
+    if other := [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]:
+        env["XLA_FLAGS"] = " ".join(other)
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "pipejax.ray_executor.cli", *args],
