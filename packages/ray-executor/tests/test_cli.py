@@ -22,7 +22,8 @@ def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 240) -> su
 
 def test_generate_shows_text_placement_and_speed():
     proc = run_cli(
-        "generate", "--model", "builtin", "-tp", "2", "--max-tokens", "6", "--seed", "3", "Hello, pipejax!", "2nd one"
+        "generate", "--model", "builtin", "-tp", "2", "--max-tokens", "6", "--seed", "3", "Hello, pipejax!", "2nd one",
+        "--max-num-seqs", "2", "--max-num-batched-tokens", "32",  # fewer buckets for the warm-up to compile
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from oracle import make_checkpoint, mixed_prompts
+from oracle import hf_greedy, make_checkpoint, mixed_prompts
 from ray.cluster_utils import Cluster
 
 from pipejax.ray_executor import LLM, SamplingParams
@@ -191,12 +191,10 @@ def test_dead_stage_fails_every_request_with_a_clear_error():
 
 
 def test_torchax_model_impl_under_ray(tmp_path):
-    """The torchax bridge's stages run as Ray stage actors, pp2 on 2 nodes, same tokens as the native path."""
-    make_checkpoint(tmp_path, "LlamaForCausalLM")
-    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(4)]
-    native = LLM(str(tmp_path), pipeline_parallel_size=2, num_kv_blocks=64, block_size=8, warmup=False)
-    expected = [o.outputs[0].token_ids for o in native.generate(prompts, GREEDY)]
-    native.shutdown()
+    """The torchax bridge's stages run as Ray stage actors, pp2 on 2 nodes, same tokens as transformers."""
+    tokens = mixed_prompts(4)
+    expected = hf_greedy(make_checkpoint(tmp_path, "LlamaForCausalLM"), tokens, GREEDY.max_tokens)
+    prompts = [{"prompt_token_ids": p} for p in tokens]
     cluster = start_cluster([1, 1])
     try:
         llm = LLM(
