@@ -4,6 +4,8 @@ biases split over TP) at pp2 tp2, on checkpoints saved by transformers."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -16,15 +18,13 @@ CASES = [("LlamaForCausalLM", 1, 1), ("LlamaForCausalLM", 1, 2), ("LlamaForCausa
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """arch -> (path, the transformers model, its greedy outputs)."""
-    made: dict[str, tuple] = {}
+    """arch -> (path, the transformers model, its greedy outputs), each made once."""
 
+    @functools.cache
     def get(arch: str):
-        if arch not in made:
-            path = tmp_path_factory.mktemp(arch)
-            model = make_hf_checkpoint(path, arch)
-            made[arch] = (path, model, hf_greedy(model, PROMPTS, MAX_NEW_TOKENS))
-        return made[arch]
+        path = tmp_path_factory.mktemp(arch)
+        model = make_hf_checkpoint(path, arch)
+        return path, model, hf_greedy(model, PROMPTS, MAX_NEW_TOKENS)
 
     return get
 

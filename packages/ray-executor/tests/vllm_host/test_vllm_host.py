@@ -8,6 +8,7 @@ executors), on JAX's CPU backend with simulated devices. The oracle is transform
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -45,16 +46,14 @@ def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """arch -> (checkpoint folder, transformers model, transformers' greedy outputs on ``workload()``)."""
-    made: dict[str, tuple] = {}
+    """arch -> (checkpoint folder, transformers model, its greedy outputs on ``workload()``), each made once."""
 
+    @functools.cache
     def get(arch: str):
-        if arch not in made:
-            path = tmp_path_factory.mktemp(arch)
-            model = make_checkpoint(path, arch, vocab_size=VOCAB)
-            write_byte_tokenizer(path, VOCAB)
-            made[arch] = (str(path), model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()])
-        return made[arch]
+        path = tmp_path_factory.mktemp(arch)
+        model = make_checkpoint(path, arch, vocab_size=VOCAB)
+        write_byte_tokenizer(path, VOCAB)
+        return str(path), model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()]
 
     return get
 
