@@ -1,5 +1,9 @@
 """The persistent compilation cache: a second process with the same model and buckets compiles
-nothing new (every step program comes from the cache the first process filled)."""
+nothing new (every step program comes from the cache the first process filled).
+
+The script caches every compile (threshold 0): with the worker's 0.2 s threshold, a tiny model's
+program that compiles in ~0.2 s is skipped by one run and written by the next, so the file lists
+would differ by timing alone (CI saw that on a loaded machine)."""
 
 import os
 import subprocess
@@ -13,7 +17,8 @@ pytestmark = pytest.mark.timeout(300)
 SCRIPT = r"""
 import sys
 from pipejax.runner.config import StageConfig
-from pipejax.worker import StageWorker, WorkerConfig
+from pipejax.worker import StageWorker, WorkerConfig, worker as worker_module
+worker_module.MIN_CACHED_COMPILE_S = 0.0
 from worker_oracle import CACHE, LIMITS
 worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
