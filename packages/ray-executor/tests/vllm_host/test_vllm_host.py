@@ -73,13 +73,15 @@ def workload(seed: int = 0) -> list[list[list[int]]]:
     return [batch(), batch()]
 
 
-# Each executor once (the compiled-graph Ray executor and `vllm serve` below run Llama at pp2 x tp2), and Qwen2's
-# biases split over TP and PP: not their full product, as each engine run takes 1.5-2.5 min (97-145 s, cold, 2 CPUs).
-LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split)
-    pytest.param("LlamaForCausalLM", 1, 2, "uni", None, id="llama-pp1-tp2-uni"),
-    pytest.param("LlamaForCausalLM", 2, 1, "mp", None, id="llama-pp2-tp1-mp"),
-    pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", id="llama-pp3-tp2-ray-uneven"),
-    pytest.param("Qwen2ForCausalLM", 2, 2, "mp", None, id="qwen2-pp2-tp2-mp"),
+# Each executor once, not the product of layouts and architectures (each engine run takes 1.5-2.5 min cold on
+# 2 CPUs, and two at once take as long as one after the other): `uni`; `mp` with Qwen2's biases split over TP and
+# PP; vLLM's compiled-graph Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) over an uneven 3-stage split,
+# whose graph edges carry only pipejax's step handles; and its default Ray executor under `vllm serve` below.
+LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split, extra environment)
+    pytest.param("LlamaForCausalLM", 1, 2, "uni", None, {}, id="llama-pp1-tp2-uni"),
+    pytest.param("Qwen2ForCausalLM", 2, 2, "mp", None, {}, id="qwen2-pp2-tp2-mp"),
+    pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"},
+                 id="llama-pp3-tp2-ray-compiled-graph-uneven"),
 ]
 KV_BLOCKS = 24  # of 16 tokens: 16 concurrent prompts of up to 72 tokens do not fit, so vLLM preempts
 
@@ -91,12 +93,13 @@ def assert_same_tokens(got: list[list[list[int]]], want: list[list[list[int]]]) 
         assert not bad, f"batch {b}: prompts {bad} differ from transformers: {[(g[i], w[i]) for i in bad[:2]]}"
 
 
-@pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition"), LAYOUTS)
-def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition):
+@pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition", "env"), LAYOUTS)
+def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition, env):
     path, _, want = checkpoints(arch)
     spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": workload(),
             "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
-    env = {"VLLM_PP_LAYER_PARTITION": partition} if partition else {}
+    if partition:
+        env = {**env, "VLLM_PP_LAYER_PARTITION": partition}
     got = run_engine(spec, **env)
     assert_same_tokens(got["outputs"], want)
 
@@ -113,17 +116,6 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     assert all(s["num_blocks"] == KV_BLOCKS for s in stats)
     if pp > 1:  # activations took pipejax's transport: every non-last stage sent them itself
         assert all(s["activation_bytes_sent"] > 0 for s in stats[:-1])
-
-
-def test_legacy_compiled_graph_ray_executor(checkpoints):
-    """``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``: vLLM's compiled graph carries each stage's output to the
-    next; pipejax hands it only a step handle while the activations take the transfer server."""
-    path, _, want = checkpoints("LlamaForCausalLM")
-    spec = {"model": path, "pp": 2, "tp": 2, "backend": "ray", "batches": workload(),
-            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
-    got = run_engine(spec, VLLM_USE_RAY_V2_EXECUTOR_BACKEND="0")
-    assert_same_tokens(got["outputs"], want)
-    assert got["stats"][0]["activation_bytes_sent"] > 0 and got["stats"][1]["resumed"] > 0
 
 
 # --- the server ---------------------------------------------------------------------------------
