@@ -75,12 +75,37 @@ def assert_contiguous_per_node(placement, driver_node=None):
         assert nodes[0] == driver_node
 
 
+def count_driver_traffic(monkeypatch) -> tuple[list[int], list[int]]:
+    """The pickled bytes of every batch the driver sends its stages, and of every result it gets back."""
+    from pipejax.ray_executor.executor import ray_executor
+
+    sent, received = [], []
+    real_submit = ray_executor.RayExecutor.execute_model
+    real_done = ray_executor.RayExecutor._stage_done
+
+    def submit(self, batch):
+        sent.append(len(pickle.dumps(batch)) * len(self.actors))
+        return real_submit(self, batch)
+
+    def done(self, rank, stage_future, result):
+        if stage_future.exception() is None:
+            received.append(len(pickle.dumps(stage_future.result())))
+        return real_done(self, rank, stage_future, result)
+
+    monkeypatch.setattr(ray_executor.RayExecutor, "execute_model", submit)
+    monkeypatch.setattr(ray_executor.RayExecutor, "_stage_done", done)
+    return sent, received
+
+
 @pytest.mark.parametrize(
     "pp,tp,devices",
     [(2, 2, [2, 2]), (2, 2, [0, 2, 2])],  # two stages per node: the compiled-graph test below
     ids=["pp2tp2-2nodes", "pp2tp2-driver-node-without-devices"],
 )
-def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, devices):
+def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, devices, monkeypatch):
+    """Same tokens as in-process; ranks contiguous per host; everything the driver sends or gets back is small
+    control data while the stages move the activations; shutdown removes the actors and placement group."""
+    sent, received = count_driver_traffic(monkeypatch)
     cluster = start_cluster(devices)
     try:
         llm, outputs = run(pp, tp)
@@ -92,6 +117,7 @@ def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, device
         if not devices[0]:
             assert driver_node not in {p["node_id"] for p in placement}
         assert outputs == expected
+        activation_bytes = llm.engine.executor.activation_bytes_sent()
         actors, pg = llm.engine.executor.actors, llm.engine.executor.pg
         llm.shutdown()
         for actor in actors:  # shutdown removed the actors ...
@@ -100,6 +126,11 @@ def test_outputs_match_inprocess_and_ranks_follow_hosts(expected, pp, tp, device
         assert ray.util.placement_group_table(pg)["state"] == "REMOVED"  # ... and the placement group
     finally:
         stop_cluster(cluster)
+    hidden = 256 * 4  # built-in model: hidden 256, float32
+    assert activation_bytes[0] >= len(sent) * hidden  # at least one token's hidden state per step
+    assert activation_bytes[-1] == 0  # the last stage sends nothing
+    assert sum(sent) + sum(received) < activation_bytes[0] / 4
+    assert max(received) < 16 * hidden  # no result is as large as even the smallest activation
 
 
 def test_compiled_graph_mode_matches_and_pipelines(expected):
@@ -119,41 +150,6 @@ def test_compiled_graph_mode_matches_and_pipelines(expected):
         llm.shutdown()
     finally:
         stop_cluster(cluster)
-
-
-def test_activations_never_pass_through_the_driver(expected, monkeypatch):
-    """Everything the driver sends or gets back is small control data; the stages moved the activations."""
-    from pipejax.ray_executor.executor import ray_executor
-
-    sent, received = [], []
-    real_submit = ray_executor.RayExecutor.execute_model
-    real_done = ray_executor.RayExecutor._stage_done
-
-    def submit(self, batch):
-        sent.append(len(pickle.dumps(batch)) * len(self.actors))
-        return real_submit(self, batch)
-
-    def done(self, rank, stage_future, result):
-        if stage_future.exception() is None:
-            received.append(len(pickle.dumps(stage_future.result())))
-        return real_done(self, rank, stage_future, result)
-
-    monkeypatch.setattr(ray_executor.RayExecutor, "execute_model", submit)
-    monkeypatch.setattr(ray_executor.RayExecutor, "_stage_done", done)
-    cluster = start_cluster([2, 2])
-    try:
-        llm, outputs = run(2, 2)
-        assert outputs == expected
-        activation_bytes = llm.engine.executor.activation_bytes_sent()
-        llm.shutdown()
-    finally:
-        stop_cluster(cluster)
-    hidden = 256 * 4  # built-in model: hidden 256, float32
-    steps = len(sent)
-    assert activation_bytes[0] >= steps * hidden  # at least one token's hidden state per step
-    assert activation_bytes[-1] == 0  # the last stage sends nothing
-    assert sum(sent) + sum(received) < activation_bytes[0] / 4
-    assert max(received) < 16 * hidden  # no result is as large as even the smallest activation
 
 
 def test_dead_stage_fails_every_request_with_a_clear_error():
