@@ -58,9 +58,11 @@ def prefill_batch(prompts: list[list[int]], step_id: int = 0, blocks_per_request
     return ModelBatch(step_id, reqs)
 
 
-def greedy_generate(stages: ChainedStages, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None):
+def greedy_generate(stages: ChainedStages, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None,
+                    arrivals: list[int] | None = None):
     """A minimal continuous-batching loop: prompts prefilled in chunks of ``chunk`` tokens (all
-    requests in one ragged step, mixing prefill chunks and decodes), then decoded together."""
+    requests in one ragged step, mixing prefill chunks and decodes), then decoded together. Prompt i
+    joins at step ``arrivals[i]`` (default: all at step 0)."""
     blocks_per_request = 16
     tables = [tuple(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request)) for i in range(len(prompts))]
     computed = [0] * len(prompts)  # tokens already in the KV cache
@@ -70,7 +72,7 @@ def greedy_generate(stages: ChainedStages, prompts: list[list[int]], max_new_tok
     while any(len(o) < max_new_tokens for o in outputs):
         reqs = []
         for i, seq in enumerate(seqs):
-            if len(outputs[i]) >= max_new_tokens:
+            if len(outputs[i]) >= max_new_tokens or (arrivals and arrivals[i] > step):
                 continue
             todo = seq[computed[i] :]
             if chunk is not None:

@@ -27,6 +27,18 @@ def test_decode_step_of_one_request_pads_nothing():
     assert BUCKETS.shape_of(batch, BLOCK) == StepShape(tokens=1, prefill_rows=0, query=1, decode_rows=1, blocks=4)
 
 
+def test_mixed_step_prefill_group_reads_only_the_blocks_its_contexts_need():
+    """A decode row deep in its context sets B; the prefill rows beside it read their own bucket (Bp)."""
+    reqs = (request(0, 1, 500), request(1, 100, 0), request(2, 30, 16))
+    shape = BUCKETS.shape_of(ModelBatch(0, reqs), BLOCK)
+    assert (shape.blocks, shape.prefill_blocks) == (32, 8)  # 501 positions: 32 blocks; 100: 7 -> bucket 8
+    inp = build_step_inputs(ModelBatch(0, reqs), shape, BLOCK)
+    assert list(inp.block_tables[0, :7]) == list(reqs[1].block_table) and inp.block_tables.shape[1] == 32
+    # the same prefill rows alone, or beside decode rows as deep as they are: one block width, Bp = 0
+    assert BUCKETS.shape_of(ModelBatch(0, reqs[1:]), BLOCK).prefill_blocks == 0
+    assert BUCKETS.shape_of(ModelBatch(0, (request(0, 1, 90), *reqs[1:])), BLOCK).prefill_blocks == 0
+
+
 def test_mixed_step_pads_decode_group_to_the_largest_bucket_and_short_chunks_to_min_slots():
     reqs = (request(0, 1, 40), request(1, 100, 0), request(2, 1, 70), request(3, 30, 16))
     shape = BUCKETS.shape_of(ModelBatch(0, reqs), BLOCK)

@@ -83,3 +83,15 @@ def test_sliding_window_decode_matches_generate(tmp_path, chunk, attention, laye
     stages = ChainedStages(tmp_path, 1, 1, num_blocks=80, decode_attention=attention, decode_layers=layers)
     got = greedy_generate(stages, PROMPTS, 24, chunk=chunk)
     assert got == expected
+
+
+def test_prefill_beside_deeper_decode_rows_matches_generate(checkpoints):
+    """A short prompt arriving while a long one decodes: the step's block tables are as wide as the decode
+    row needs (B), and the prefill row's attention reads only its own bucket of them (``prefill_blocks``)."""
+    path, model = checkpoints("LlamaForCausalLM")
+    prompts = [list(range(3, 75)), [9, 8, 7, 6, 5]]  # 72 tokens: 12 blocks of 8 at decode; 5 tokens: the 8-block bucket
+    expected = hf_greedy(model, prompts, 16)
+    stages = ChainedStages(path, 2, 2, num_blocks=40)
+    assert greedy_generate(stages, prompts, 16, arrivals=[0, 3]) == expected
+    mixed = [s for s in stages.stages[0].compiled_shapes if s.prefill_rows and s.decode_rows]
+    assert mixed and all(0 < s.prefill_blocks < s.blocks for s in mixed), mixed

@@ -84,12 +84,17 @@ class Buckets:
             Rd = pick(self.rows, num_decode, "decode requests in the step")
         needed = max(math.ceil(r.end_position / block_size) for r in reqs)
         B = pick(self.blocks, needed, "KV blocks of one request")
-        return StepShape(T, P, Q, Rd, B)
+        Bp = 0
+        if prefill and num_decode:  # the prefill group reads only the blocks its own contexts need
+            prefill_needed = max(math.ceil(r.end_position / block_size) for r in reqs if len(r.token_ids) > 1)
+            Bp = pick(self.blocks, prefill_needed, "KV blocks of one request")
+            Bp = 0 if Bp == B else Bp
+        return StepShape(T, P, Q, Rd, B, Bp)
 
     def count(self) -> int:
         """An upper bound on the distinct step shapes."""
         groups = (len(self.prefill_rows) + 1) * len(self.query) * (len(self.rows) + 1)
-        return (len(self.tokens) * groups + len(self.rows)) * len(self.blocks)
+        return (len(self.tokens) * groups * len(self.blocks) + len(self.rows)) * len(self.blocks)  # (Bp, B) pairs
 
 
 def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> StepInputs:
@@ -98,7 +103,7 @@ def build_step_inputs(batch: ModelBatch, shape: StepShape, block_size: int) -> S
     Requests keep their order in the token stream and in ``sample_index``; their attention rows are
     grouped: prefill requests (more than one query token) in rows [0, P), right-aligned in their Q query
     slots (``model.prefill_attention`` relies on it), decode requests after P."""
-    T, P, Q, _, B = shape
+    T, P, Q, B = shape.tokens, shape.prefill_rows, shape.query, shape.blocks
     R = shape.rows
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
