@@ -419,7 +419,7 @@ class Report:
                 f"the same model's dense matmuls alone (every weight once, batch 64, one jit; the median of the "
                 f"alternated rounds below): "
                 f"{dd['dense_matmuls_ms']:.1f} ms. Padded step shape (tokens, prefill rows, query, decode rows, "
-                f"blocks) = {p['shape']}."]
+                f"blocks, prefill blocks) = {p['shape']}."]
         if loop:
             out += ["", "The same dense matmuls read through a `lax.scan` over the layers' stacked weights (as the "
                     "runner's layer loop reads them) against a loop over per-layer arrays, alternated, median ms: "

@@ -74,19 +74,20 @@ def step_flops(cfg, tokens: int, attended: int, sampled: int) -> float:
 def scored_slots(shape: list[int], block_size: int) -> int:
     """(query, context slot) pairs the padded step scores per head and layer: each prefill row's query chunks
     against the context they can see (``model.prefill_chunks``), each decode row against C = B x block_size
-    slots (an upper bound: the CPU kernel reads only the row's visible slots)."""
+    slots (an upper bound: the CPU kernel reads only the row's visible slots); the prefill rows' context is
+    their own Bp blocks where the shape has them."""
     from pipejax.runner.model import prefill_chunks
 
-    _, P, Q, Rd, B = shape
-    C = B * block_size
-    prefill = sum((hi - lo) * c_hi for lo, hi, c_hi in prefill_chunks(Q, C)) if P else 0
+    _, P, Q, Rd, B, *rest = shape
+    C, Cp = B * block_size, (rest[0] if rest and rest[0] else B) * block_size
+    prefill = sum((hi - lo) * c_hi for lo, hi, c_hi in prefill_chunks(Q, Cp)) if P else 0
     return P * prefill + Rd * C
 
 
 def executed_flops(cfg, shape: list[int], block_size: int) -> tuple[float, float]:
     """(all, attention) FLOPs the padded step runs: T tokens through the layers, the LM head on the
     P + Rd rows, attention over the ``scored_slots``."""
-    T, P, Q, Rd, B = shape
+    T, P, Q, Rd = shape[:4]
     E, F, H, K, D, V, L, per_layer = _dims(cfg)
     attention = 4.0 * L * H * D * scored_slots(shape, block_size)
     return 2.0 * T * L * per_layer + 2.0 * E * V * (P + Rd) + attention, attention
