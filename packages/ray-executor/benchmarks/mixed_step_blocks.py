@@ -1,13 +1,14 @@
 """A mixed step's prefill rows with their own block bucket (``StepShape.prefill_blocks``) against the step's
 full block-table width, on the same inputs in one process, alternated.
 
-The step: 16 decode rows at context 128 (12 blocks of 16 in the table bucket) beside 16 fresh 127-token
-prompts (8 blocks would do), as in the headline workload's second prefill step.
+The step: 16 decode rows at context 128 (12 blocks of 16 in the table bucket; the decode group padded to 64
+rows, as the engine pads it with max_num_seqs 64) beside 16 fresh 127-token prompts (8 blocks would do), as in
+the headline workload's second prefill step.
 
     cd packages/ray-executor/benchmarks && python mixed_step_blocks.py
 
-Measured 2026-12-02 (2-CPU AMD EPYC, six alternated rounds): prefill blocks 8: 1933 ms (min 1906); all 12:
-2044 ms (min 2023). An earlier probe of the same step beside a 64-row decode bucket: 2045 against 2219 ms.
+Measured 2026-12-02 09:50 UTC (2-CPU AMD EPYC, six alternated rounds): prefill blocks 8: 1867 ms (min 1850);
+all 12: 1985 ms (min 1970).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from sections.decode import DecodeBench  # noqa: E402
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest  # noqa: E402
 
 DECODE_ROWS, PREFILL_ROWS, CONTEXT, PROMPT, ROUNDS = 16, 16, 128, 127, 6
+MAX_ROWS = 64  # the engine's max_num_seqs in the headline workload: the decode group's bucket in a mixed step
 
 
 def main() -> None:
-    bench = DecodeBench(bench_model(), [DECODE_ROWS + PREFILL_ROWS])
+    bench = DecodeBench(bench_model(), [MAX_ROWS])
     runner, per = bench.runner, bench.per_request
     sampling = SamplingParams(temperature=1.0)
 

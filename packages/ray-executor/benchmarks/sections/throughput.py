@@ -78,8 +78,8 @@ def scored_slots(shape: list[int], block_size: int) -> int:
     their own Bp blocks where the shape has them."""
     from pipejax.runner.model import prefill_chunks
 
-    _, P, Q, Rd, B, *rest = shape
-    C, Cp = B * block_size, (rest[0] if rest and rest[0] else B) * block_size
+    _, P, Q, Rd, B, Bp = shape
+    C, Cp = B * block_size, (Bp or B) * block_size
     prefill = sum((hi - lo) * c_hi for lo, hi, c_hi in prefill_chunks(Q, Cp)) if P else 0
     return P * prefill + Rd * C
 

@@ -82,14 +82,13 @@ class Buckets:
             Rd = self.rows[-1]
         else:
             Rd = pick(self.rows, num_decode, "decode requests in the step")
-        needed = max(math.ceil(r.end_position / block_size) for r in reqs)
-        B = pick(self.blocks, needed, "KV blocks of one request")
-        Bp = 0
-        if prefill and num_decode:  # the prefill group reads only the blocks its own contexts need
-            prefill_needed = max(math.ceil(r.end_position / block_size) for r in reqs if len(r.token_ids) > 1)
-            Bp = pick(self.blocks, prefill_needed, "KV blocks of one request")
-            Bp = 0 if Bp == B else Bp
-        return StepShape(T, P, Q, Rd, B, Bp)
+        needed = [math.ceil(r.end_position / block_size) for r in reqs]
+        B = pick(self.blocks, max(needed), "KV blocks of one request")
+        Bp = 0  # the prefill group of a mixed step reads only the blocks its own contexts need (0: all B)
+        if prefill and num_decode:
+            deepest = max(n for n, r in zip(needed, reqs, strict=True) if len(r.token_ids) > 1)
+            Bp = pick(self.blocks, deepest, "KV blocks of one request")
+        return StepShape(T, P, Q, Rd, B, Bp if Bp < B else 0)
 
     def count(self) -> int:
         """An upper bound on the distinct step shapes."""
