@@ -1,5 +1,7 @@
 """The library choice for the dots of few-row decode steps on XLA:CPU (``cpu_dots``)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,9 +40,32 @@ def test_the_runner_measures_or_takes_the_choice(tmp_path):
 
     make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
     mesh, cache = stage_mesh(jax.devices()[:1]), CacheConfig(num_blocks=8)
-    assert StageRunner(tmp_path, mesh, cache=cache).few_row_dots == cpu_dots.measured_choice()
+    assert StageRunner(tmp_path, mesh, cache=cache).few_row_dots == cpu_dots.choice(None) == cpu_dots.measured_choice()
     assert cpu_dots.measured_choice() in cpu_dots.CHOICES
     for choice in cpu_dots.CHOICES:
         assert StageRunner(tmp_path, mesh, cache=cache, few_row_dots=choice).few_row_dots == choice
     with pytest.raises(ValueError, match="few_row_dots='mkl'; use 'auto', 'ynnpack' or 'eigen'"):
         StageRunner(tmp_path, mesh, cache=cache, few_row_dots="mkl")
+
+
+def test_the_choice_is_remembered_in_the_cache_folder(tmp_path, monkeypatch):
+    """A later process reads the choice the first one measured (its cached programs depend on it); a file it
+    cannot use is measured over."""
+    calls = []
+    monkeypatch.setattr(cpu_dots, "measured_choice", lambda: calls.append(1) or "ynnpack")
+    cpu_dots.choice.cache_clear()
+    try:
+        assert cpu_dots.choice(str(tmp_path / "cache")) == "ynnpack" and calls == [1]
+        path = cpu_dots.remembered_choice_path(str(tmp_path / "cache"))
+        assert open(path).read() == "ynnpack" and os.listdir(tmp_path / "cache") == [os.path.basename(path)]
+        with open(path, "w") as f:
+            f.write("eigen")  # what an earlier process on this machine measured
+        cpu_dots.choice.cache_clear()
+        assert cpu_dots.choice(str(tmp_path / "cache")) == "eigen" and calls == [1]
+        with open(path, "w") as f:
+            f.write("mkl")
+        cpu_dots.choice.cache_clear()
+        assert cpu_dots.choice(str(tmp_path / "cache")) == "ynnpack" and calls == [1, 1]
+        assert open(path).read() == "ynnpack"
+    finally:
+        cpu_dots.choice.cache_clear()

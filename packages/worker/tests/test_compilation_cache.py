@@ -3,7 +3,11 @@ nothing new (every step program comes from the cache the first process filled).
 
 The script caches every compile (threshold 0): with the worker's 0.2 s threshold, a tiny model's
 program that compiles in ~0.2 s is skipped by one run and written by the next, so the file lists
-would differ by timing alone (CI saw that on a loaded machine)."""
+would differ by timing alone (CI saw that on a loaded machine).
+
+The two processes' few-row dots measurements (``cpu_dots``) are made to disagree, as they did in CI on
+a loaded machine: the second start must take the choice the first remembered in the cache folder, or it
+compiles its few-row decode steps again."""
 
 import os
 import subprocess
@@ -17,8 +21,10 @@ pytestmark = pytest.mark.timeout(300)
 SCRIPT = r"""
 import sys
 from pipejax.runner.config import StageConfig
+from pipejax.runner import cpu_dots
 from pipejax.worker import StageWorker, WorkerConfig, worker as worker_module
 worker_module.MIN_CACHED_COMPILE_S = 0.0
+cpu_dots.measured_choice = lambda: sys.argv[3]  # what this process would measure
 from worker_oracle import CACHE, LIMITS
 worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
@@ -27,18 +33,20 @@ worker.warmup(worker.warmup_batches(max_shapes=3), progress=False)
 """
 
 
-def run_stage_process(model, cache_dir):
+def run_stage_process(model, cache_dir, measured):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.dirname(__file__)}
-    subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(cache_dir)], env=env, check=True, timeout=240)
+    command = [sys.executable, "-c", SCRIPT, str(model), str(cache_dir), measured]
+    subprocess.run(command, env=env, check=True, timeout=240)
     return sorted(os.listdir(cache_dir))
 
 
 def test_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
     assert CACHE.num_blocks
-    first = run_stage_process(checkpoint[0], tmp_path)
+    first = run_stage_process(checkpoint[0], tmp_path, "eigen")
     assert any("step" in name or "forward" in name for name in first), first  # the stage's jitted step is cached
-    assert run_stage_process(checkpoint[0], tmp_path) == first
+    assert any(name.startswith("pipejax-few-row-dots-") for name in first), first
+    assert run_stage_process(checkpoint[0], tmp_path, "ynnpack") == first
 
 
 def test_the_cache_folder_comes_from_the_callers_environment(monkeypatch):

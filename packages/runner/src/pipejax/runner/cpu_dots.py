@@ -8,17 +8,24 @@ while 64 rows ran as fast or faster with it (2026-12-01, ``decode_bench.py`` wit
 the choice is measured, once per process (at the first few-row decode step), on the machine at hand: a pair
 of MLP dots at 16 rows, compiled both ways and timed alternately. Decode steps of ``FEW_ROWS`` rows compile
 without YNNPACK only where that pair runs clearly faster so; every other step keeps XLA's default.
+
+Where JAX's persistent compilation cache is on, the choice is remembered in its folder (per CPU model, core
+count and jaxlib): the cached step programs depend on it, and a second start that measured the other way
+(the two are close on some machines) would compile the few-row steps again instead of reusing them.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 
 from pipejax.runner.model import StepShape
 
@@ -34,6 +41,45 @@ _PROBE_ROWS, _PROBE_HIDDEN, _PROBE_MLP, _PROBE_ROUNDS = 16, 768, 2048, 7
 def few_rows(shape: StepShape) -> bool:
     """Whether ``shape`` is a decode-only step of ``FEW_ROWS`` rows."""
     return not shape.prefill_rows and FEW_ROWS[0] <= shape.decode_rows <= FEW_ROWS[1]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def remembered_choice_path(folder: str) -> str:
+    """The file in ``folder`` that holds this machine's choice: keyed by what the measurement depends on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = hashlib.sha256(f"{_cpu_model()}|{cores}|{jaxlib.__version__}".encode()).hexdigest()[:16]
+    return os.path.join(folder, f"pipejax-few-row-dots-{key}")
+
+
+@functools.cache
+def choice(remember_in: str | None = None) -> str:
+    """This machine's choice: read from ``remember_in`` (a folder) where an earlier process left it, else
+    measured (``measured_choice``) and, with a folder, written there. Once per process."""
+    path = remembered_choice_path(remember_in) if remember_in else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            remembered = f.read().strip()
+        if remembered in CHOICES:
+            log.info("few-row decode dots: %s (remembered in %s)", remembered, path)
+            return remembered
+        log.warning("ignoring %s: %r is not one of %s", path, remembered, CHOICES)
+    measured = measured_choice()
+    if path:
+        try:
+            os.makedirs(remember_in, exist_ok=True)
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                f.write(measured)
+            os.replace(f"{path}.{os.getpid()}", path)  # atomic: concurrent stages never read half a file
+        except OSError as e:
+            log.warning("could not remember the few-row dots choice in %s: %s", path, e)
+    return measured
 
 
 @functools.cache

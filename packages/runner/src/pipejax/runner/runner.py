@@ -131,9 +131,9 @@ class StageRunner:
     def few_row_dots(self) -> str | None:
         """Which library XLA:CPU runs the dots of decode steps of a few rows with: "ynnpack" (XLA's default) or
         "eigen" (XLA's own dot); with "auto", measured here at the first such step (``cpu_dots``, not while the
-        weights load). None off CPU."""
+        weights load; remembered next to JAX's compilation cache where that is on). None off CPU."""
         if self._few_row_dots == "auto":
-            self._few_row_dots = cpu_dots.measured_choice()
+            self._few_row_dots = cpu_dots.choice(jax.config.jax_compilation_cache_dir)
         return self._few_row_dots
 
     @functools.cached_property
