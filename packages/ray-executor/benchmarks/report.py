@@ -443,6 +443,7 @@ class Report:
             lo, hi = dd["few_row_dots_rows"]
             out += ["", f"Decode steps of {lo}-{hi} rows ran their dots on **{dd['few_row_dots']}** here "
                     "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu_dots`: at its first such step the runner "
+                    "reads the choice an earlier process left next to the compilation cache, or else "
                     "times a 16-row pair of MLP dots with XLA:CPU's default YNNPACK fusions and without them, and "
                     "picks XLA's own "
                     "dot, \"eigen\", only where it is clearly faster); every other step keeps XLA's default."]
