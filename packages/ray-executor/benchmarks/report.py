@@ -285,7 +285,8 @@ class Report:
                 f"{t['workload']['output_len']} output tokens (random ids, ignore_eos, temperature 1 on both sides). "
                 f"pipejax: {t['engine']['layout']}, max_num_batched_tokens {t['engine']['max_num_batched_tokens']}; "
                 f"transformers: one `generate` over the c prompts, fp32, {t['hf_threads']} torch threads. "
-                "The two alternate run by run; the ratio is taken per repeat.", ""]
+                "Each engine runs in a fresh process of its own; the timed runs alternate between them, and the ratio "
+                "is taken per repeat.", ""]
         rows = []
         for c in t["levels"]:
             rows.append([c, fmt(_key(t["pipejax_tps"], c)), fmt(_key(t["hf_tps"], c)),

@@ -178,6 +178,70 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# --- an engine in a process of its own ------------------------------------------------------------
+
+
+def _serve(conn, factory: Callable[..., Any], args: tuple) -> None:
+    """The child's loop: build ``factory(*args)``, then answer (method, args) calls until told to stop."""
+    import traceback
+
+    try:
+        obj = factory(*args)
+        conn.send((True, None))
+    except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send((False, traceback.format_exc()))
+        return
+    while (msg := conn.recv()) is not None:
+        method, call_args = msg
+        try:
+            conn.send((True, getattr(obj, method)(*call_args)))
+        except Exception:  # noqa: BLE001
+            conn.send((False, traceback.format_exc()))
+    obj.close()
+    conn.send((True, None))
+
+
+class EngineProcess:
+    """``factory(*args)`` (an engine side with ``close()``) in a fresh spawned process; ``call(method, *args)``
+    runs one of its methods there and returns the (picklable) result. Every wait has a timeout."""
+
+    def __init__(self, factory: Callable[..., Any], *args, timeout_s: float = 1800.0):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.timeout_s = timeout_s
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, factory, args), daemon=True)
+        self._proc.start()
+        self._reply(f"building {factory.__name__}")
+
+    def _reply(self, what: str) -> Any:
+        if not self._conn.poll(self.timeout_s):
+            self._proc.kill()
+            raise TimeoutError(f"{what} took over {self.timeout_s:.0f} s in process {self._proc.pid}")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(f"{what} failed in process {self._proc.pid}:\n{value}")
+        return value
+
+    def call(self, method: str, *args) -> Any:
+        self._conn.send((method, args))
+        return self._reply(method)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._proc.is_alive():
+                self._conn.send(None)
+                self._reply("close")
+        finally:
+            self._proc.join(timeout=60)
+            if self._proc.is_alive():
+                self._proc.kill()
+
+
 # --- the section entry point -------------------------------------------------------------------
 
 

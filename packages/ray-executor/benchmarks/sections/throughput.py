@@ -2,11 +2,12 @@
 
 ``c`` concurrent requests x 128 prompt tokens x 64 output tokens (random ids, ignore_eos, sampling at
 temperature 1 on both sides), for c in 1, 2, 4, 8, 16, 32, 64 (--quick: 1, 16, 64); c = 64 is the
-headline figure. pipejax runs pp=1 tp=1 in-process (one engine for every c, compiled by an untimed run
-of each c); transformers runs one ``generate`` over all c prompts (fp32, CPU, its default threads).
-The two alternate run by run, so both see the same machine load; the ratio is taken per repeat. The headline run's step
-trace splits pipejax's time into prefill steps, decode steps and the engine around them. Without --quick, the
-headline workload also runs in bf16 on both sides (a reported row, no goal).
+headline figure. Each engine runs in a fresh process of its own, started for this section: pipejax pp=1 tp=1
+in-process (one engine for every c, compiled by an untimed run of each c), transformers one ``generate`` over
+all c prompts (fp32, CPU, its default threads). The timed runs alternate between the two processes, so both
+see the same machine load; the ratio is taken per repeat. The headline run's step trace splits pipejax's time
+into prefill steps, decode steps and the engine around them. Without --quick, the headline workload also runs
+in bf16 on both sides (a reported row, no goal).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sections.common import (
     NUM_PROMPTS,
     OUTPUT_LEN,
     CpuMeter,
+    EngineProcess,
     bench_model,
     compiled_shapes,
     engine_buckets,
@@ -176,91 +178,128 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
     return out
 
 
+class PipejaxSide:
+    """pipejax's side, in its own process: an ``LLM`` (pp=1 tp=1 in-process) that compiled every shape the
+    ``levels`` meet by an untimed run of each (8 output tokens meet the same shapes as 64: the context stays
+    in one block bucket)."""
+
+    def __init__(self, path: str, levels: list[int], dtype: str | None = None):
+        from pipejax.ray_executor.llm import LLM
+
+        start = time.perf_counter()
+        self.llm = LLM(path, warmup=False, **({"dtype": dtype} if dtype else {}), **engine_kwargs())
+        self.build_s = time.perf_counter() - start
+        self.recorder = BatchRecorder(self.llm)
+        self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.llm.engine.model_config.vocab_size)
+        start = time.perf_counter()
+        for c in levels:
+            pipejax_run(self.llm, self.prompts[:c], 8)
+        self.warm_s = time.perf_counter() - start
+        self.compiled_before = compiled_shapes(self.llm)
+
+    def run(self, c: int, breakdown: bool = False) -> dict[str, Any]:
+        """One timed run of ``c`` prompts: seconds, this process's cores, and (``breakdown``) where the time
+        went, with the machine's rates measured right after."""
+        meter = CpuMeter().start()
+        n_before = len(self.llm.engine.executor.step_trace())
+        seconds = pipejax_run(self.llm, self.prompts[:c])
+        out: dict[str, Any] = {"seconds": seconds, "meter": meter.stop()}
+        if breakdown:
+            recent = {s for _, s, _, _ in self.llm.engine.executor.step_trace()[n_before:]}
+            batches = {s: b for s, b in self.recorder.batches.items() if s in recent}
+            out["breakdown"] = trace_breakdown(self.llm, batches, seconds, machine_rates())
+        return out
+
+    def info(self) -> dict[str, Any]:
+        buckets = engine_buckets(self.llm)
+        return {"build_s": self.build_s, "warm_runs_s": self.warm_s,
+                "smallest_buckets": {"tokens": buckets.tokens[0], "rows": buckets.rows[0]},
+                "shapes_compiled_during_timed_runs": compiled_shapes(self.llm) - self.compiled_before}
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class HFSide:
+    """transformers' side, in its own process (warmed up by a short ``generate``)."""
+
+    def __init__(self, path: str, levels: list[int], dtype: str = "float32"):
+        self.hf = HFReference(path, dtype)
+        self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.hf.model.config.vocab_size)
+        self.hf.run(self.prompts[:2], 4)
+
+    def run(self, c: int, breakdown: bool = False) -> dict[str, Any]:
+        meter = CpuMeter().start()
+        seconds = self.hf.run(self.prompts[:c])
+        return {"seconds": seconds, "meter": meter.stop()}
+
+    def info(self) -> dict[str, Any]:
+        return {"hf_threads": self.hf.threads, "torch_matmul_gflops": torch_matmul_rate() / 1e9}
+
+    def close(self) -> None:
+        pass
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from pipejax.ray_executor.llm import LLM
-
-    levels = (1, 16, NUM_PROMPTS) if args.quick else (1, 2, 4, 8, 16, 32, NUM_PROMPTS)
+    levels = [1, 16, NUM_PROMPTS] if args.quick else [1, 2, 4, 8, 16, 32, NUM_PROMPTS]
     path = bench_model()
-    start = time.perf_counter()
-    llm = LLM(path, warmup=False, **engine_kwargs())
-    build_s = time.perf_counter() - start
-    recorder = BatchRecorder(llm)
-    all_prompts = prompts(NUM_PROMPTS, INPUT_LEN, llm.engine.model_config.vocab_size)
-    hf = HFReference(path)
-    start = time.perf_counter()
-    for c in levels:  # compile every shape each concurrency meets (8 output tokens meet the same shapes as 64:
-        pipejax_run(llm, all_prompts[:c], 8)  # the context stays in one block bucket); transformers' warms up too
-    hf.run(all_prompts[:2], 4)
-    warm_s = time.perf_counter() - start
-
-    compiled_before = compiled_shapes(llm)
-    pj: dict[int, list[float]] = {c: [] for c in levels}
-    ref: dict[int, list[float]] = {c: [] for c in levels}
-    cores: dict[str, list[dict[str, float]]] = {"pj": [], "hf": []}  # at the headline concurrency
-    breakdown, breakdown_low, rates = None, None, None
-    for r in range(args.repeats):
-        for c in sorted(levels, reverse=True):
-            first_pj = (r + c) % 2 == 0  # alternate who goes first
-            for who in ("pj", "hf") if first_pj else ("hf", "pj"):
-                meter = CpuMeter().start()
-                if who == "pj":
-                    n_before = len(llm.engine.executor.step_trace())
-                    t = pipejax_run(llm, all_prompts[:c])
-                    pj[c].append(c * OUTPUT_LEN / t)
-                    if c in (NUM_PROMPTS, levels[0]) and r == args.repeats - 1:
-                        if rates is None:
-                            rates = machine_rates()
-                            rates["torch_flops"] = torch_matmul_rate()
-                        recent = {s for _, s, _, _ in llm.engine.executor.step_trace()[n_before:]}
-                        batches = {s: b for s, b in recorder.batches.items() if s in recent}
-                        if c == NUM_PROMPTS:
-                            breakdown = trace_breakdown(llm, batches, t, rates)
-                        else:
-                            breakdown_low = trace_breakdown(llm, batches, t, rates)
-                else:
-                    ref[c].append(c * OUTPUT_LEN / hf.run(all_prompts[:c]))
-                if c == NUM_PROMPTS:
-                    cores[who].append(meter.stop())
+    # Each engine in a fresh process of its own (torch's and XLA's runtimes never share one), built and
+    # warmed up before any timed run; the timed runs alternate between them.
+    with EngineProcess(PipejaxSide, path, levels) as pj_side, EngineProcess(HFSide, path, levels) as hf_side:
+        pj: dict[int, list[float]] = {c: [] for c in levels}
+        ref: dict[int, list[float]] = {c: [] for c in levels}
+        cores: dict[str, list[dict[str, float]]] = {"pj": [], "hf": []}  # at the headline concurrency
+        breakdown, breakdown_low = None, None
+        for r in range(args.repeats):
+            for c in sorted(levels, reverse=True):
+                first_pj = (r + c) % 2 == 0  # alternate who goes first
+                for who in ("pj", "hf") if first_pj else ("hf", "pj"):
+                    traced = who == "pj" and c in (NUM_PROMPTS, levels[0]) and r == args.repeats - 1
+                    out = (pj_side if who == "pj" else hf_side).call("run", c, traced)
+                    (pj if who == "pj" else ref)[c].append(c * OUTPUT_LEN / out["seconds"])
+                    if traced and c == NUM_PROMPTS:
+                        breakdown = out["breakdown"]
+                    elif traced:
+                        breakdown_low = out["breakdown"]
+                    if c == NUM_PROMPTS:
+                        cores[who].append(out["meter"])
+        pj_info, hf_info = pj_side.call("info"), hf_side.call("info")
+    if breakdown:
+        breakdown["torch_matmul_gflops"] = hf_info["torch_matmul_gflops"]
     result: dict[str, Any] = {
         "workload": {"requests": NUM_PROMPTS, "input_len": INPUT_LEN, "output_len": OUTPUT_LEN},
-        "levels": list(levels),
+        "levels": levels,
         "pipejax_tps": {c: summary(v) for c, v in pj.items()},
         "hf_tps": {c: summary(v) for c, v in ref.items()},
         "ratio": {c: summary([a / b for a, b in zip(pj[c], ref[c], strict=True)]) for c in levels},
-        "engine": {**engine_kwargs(), "layout": "pp=1 tp=1 (in-process)", "build_s": build_s, "warm_runs_s": warm_s},
-        "hf_threads": hf.threads,
+        "engine": {**engine_kwargs(), "layout": "pp=1 tp=1 (in-process)", "build_s": pj_info["build_s"],
+                   "warm_runs_s": pj_info["warm_runs_s"]},
+        "processes": "each engine in a fresh process of its own, the timed runs alternating between them",
+        "hf_threads": hf_info["hf_threads"],
         "cores_busy": {"pipejax": summary([c["cores"] for c in cores["pj"]]),
                        "transformers": summary([c["cores"] for c in cores["hf"]])},
         "machine_busy": {"pipejax": summary([c["machine_busy"] for c in cores["pj"]]),
                          "transformers": summary([c["machine_busy"] for c in cores["hf"]])},
         "breakdown": breakdown,
         "breakdown_low": breakdown_low,  # at the lowest concurrency
-        "smallest_buckets": {"tokens": engine_buckets(llm).tokens[0], "rows": engine_buckets(llm).rows[0]},
-        "shapes_compiled_during_timed_runs": compiled_shapes(llm) - compiled_before,
+        "smallest_buckets": pj_info["smallest_buckets"],
+        "shapes_compiled_during_timed_runs": pj_info["shapes_compiled_during_timed_runs"],
     }
-    llm.shutdown()
     if not args.quick:
-        result["bf16"] = bf16_pair(path, all_prompts, 1)  # one run each: a reported row (pipejax bf16 is slow)
+        result["bf16"] = bf16_pair(path, 1)  # one run each: a reported row (pipejax bf16 is slow)
     return result
 
 
-def bf16_pair(path: str, all_prompts: list[list[int]], repeats: int) -> dict[str, Any]:
+def bf16_pair(path: str, repeats: int) -> dict[str, Any]:
     """The headline workload in bf16 on both sides, alternating (a reported row, no goal): torch's bf16
     matmuls use the CPU's AMX units, XLA:CPU has no AMX path, so this compares kernels more than engines."""
-    from pipejax.ray_executor.llm import LLM
-
-    llm = LLM(path, warmup=False, dtype="bfloat16", **engine_kwargs())
-    hf = HFReference(path, "bfloat16")
-    pipejax_run(llm, all_prompts, 8)  # compile
-    hf.run(all_prompts[:2], 4)
     pj, ref = [], []
-    for r in range(repeats):
-        for who in ("pj", "hf") if r % 2 == 0 else ("hf", "pj"):
-            if who == "pj":
-                pj.append(NUM_PROMPTS * OUTPUT_LEN / pipejax_run(llm, all_prompts))
-            else:
-                ref.append(NUM_PROMPTS * OUTPUT_LEN / hf.run(all_prompts))
-    llm.shutdown()
+    with (EngineProcess(PipejaxSide, path, [NUM_PROMPTS], "bfloat16") as pj_side,
+          EngineProcess(HFSide, path, [NUM_PROMPTS], "bfloat16") as hf_side):
+        for r in range(repeats):
+            for who in ("pj", "hf") if r % 2 == 0 else ("hf", "pj"):
+                side, tps = (pj_side, pj) if who == "pj" else (hf_side, ref)
+                tps.append(NUM_PROMPTS * OUTPUT_LEN / side.call("run", NUM_PROMPTS)["seconds"])
     return {"pipejax_tps": summary(pj), "hf_tps": summary(ref),
             "ratio": summary([a / b for a, b in zip(pj, ref, strict=True)])}
 
