@@ -197,13 +197,15 @@ def _serve(conn, factory: Callable[..., Any], args: tuple) -> None:
             conn.send((True, getattr(obj, method)(*call_args)))
         except Exception:  # noqa: BLE001
             conn.send((False, traceback.format_exc()))
-    obj.close()
+    if hasattr(obj, "close"):
+        obj.close()
     conn.send((True, None))
 
 
 class EngineProcess:
-    """``factory(*args)`` (an engine side with ``close()``) in a fresh spawned process; ``call(method, *args)``
-    runs one of its methods there and returns the (picklable) result. Every wait has a timeout."""
+    """``factory(*args)`` (an engine side; its ``close()``, if it has one, runs at exit) in a fresh spawned
+    process; ``call(method, *args)`` runs one of its methods there and returns the (picklable) result. Every
+    wait has a timeout."""
 
     def __init__(self, factory: Callable[..., Any], *args, timeout_s: float = 1800.0):
         import multiprocessing

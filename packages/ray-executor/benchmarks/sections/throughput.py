@@ -228,16 +228,13 @@ class HFSide:
         self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.hf.model.config.vocab_size)
         self.hf.run(self.prompts[:2], 4)
 
-    def run(self, c: int, breakdown: bool = False) -> dict[str, Any]:
+    def run(self, c: int) -> dict[str, Any]:
         meter = CpuMeter().start()
         seconds = self.hf.run(self.prompts[:c])
         return {"seconds": seconds, "meter": meter.stop()}
 
     def info(self) -> dict[str, Any]:
         return {"hf_threads": self.hf.threads, "torch_matmul_gflops": torch_matmul_rate() / 1e9}
-
-    def close(self) -> None:
-        pass
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 first_pj = (r + c) % 2 == 0  # alternate who goes first
                 for who in ("pj", "hf") if first_pj else ("hf", "pj"):
                     traced = who == "pj" and c in (NUM_PROMPTS, levels[0]) and r == args.repeats - 1
-                    out = (pj_side if who == "pj" else hf_side).call("run", c, traced)
+                    out = pj_side.call("run", c, traced) if who == "pj" else hf_side.call("run", c)
                     (pj if who == "pj" else ref)[c].append(c * OUTPUT_LEN / out["seconds"])
                     if traced and c == NUM_PROMPTS:
                         breakdown = out["breakdown"]
