@@ -32,6 +32,8 @@ def synthetic_results() -> dict[str, dict]:
         "decode": {"steps": 63, "seconds": 19.8, "tokens": 4032, "padded_tokens": 4032, "flops": 0.8e12,
                    "attention_flops": 1e9, "executed_flops": 0.9e12, "executed_attention_flops": 2e9,
                    "score_bytes": 1e8, "gflops_per_s": 40.0, "median_step_ms": 300.0},
+        "parts_floor": {"dots_s": 17.2, "kv_s": 0.8, "seconds": 18.0,
+                        "shapes": [[64, 64, 63, 0.12], [2048, 16, 4, 2.41]]},
     }
     return {
         "throughput": {**load, "workload": {"requests": 64, "input_len": 128, "output_len": 64}, "levels": [1, 64],
@@ -170,6 +172,10 @@ def test_render_from_results(tmp_path):
     assert "### pp=2 throughput" in text
     assert "### Output tokens/s vs transformers" in text
     assert "Padding: the prefill steps ran 1.90 TFLOP for 1.60 TFLOP of useful work (1.19×)" in text
+    # the throughput ceiling measured a second way, by the run's parts
+    assert ("take 17.2 s (a 64-row decode step's 120 ms × 63), and the K/V the decode tokens read once takes 0.8 s"
+            in text)
+    assert "against transformers' 21.0 s — a ceiling of 1.17×. pipejax's run took 26.4 s, 1.47× that floor" in text
 
 
 def test_fmt_and_verdict():

@@ -164,42 +164,59 @@ def kv_gather(cfg, rows: int, blocks: int, block_size: int, repeats: int) -> flo
     return statistics.median(timed(lambda: run(k_cache, v_cache, tables).block_until_ready(), repeats))
 
 
+class DenseMatmuls:
+    """Every weight matrix of the model (random, resident) and one jit applying them all to an activation: the
+    dots a step must run, timed alone. ``rows`` go through the layers, the first ``head_rows`` of them through
+    the LM head (a decode step samples every row, a prefill step only each prompt's last token)."""
+
+    def __init__(self, cfg):
+        import jax
+        import jax.numpy as jnp
+
+        E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, cfg.vocab_size, cfg.num_layers)
+        shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
+        key = jax.random.key(0)
+        self.layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(L)]
+        self.head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
+        self.width = E
+
+        def layer(x, weights):
+            q, k, v, o, g, u, d = weights
+            a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
+            x = x + a @ o
+            return x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+
+        def looped(x, layers, head, head_rows):
+            for weights in layers:
+                x = layer(x, weights)
+            return x[:head_rows] @ head
+
+        def scanned(x, stacked, head, head_rows):
+            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0][:head_rows] @ head
+
+        self._looped = jax.jit(looped, static_argnums=3)
+        self._scanned = jax.jit(scanned, static_argnums=3)
+
+    def seconds(self, rows: int, head_rows: int, repeats: int, scan: bool = False) -> float:
+        """Median seconds of one application (compiled and warmed up before timing)."""
+        import jax
+        import jax.numpy as jnp
+
+        x = jnp.ones((rows, self.width), jnp.float32)
+        if scan:
+            stacked = [jnp.stack(ws) for ws in zip(*self.layers, strict=True)]
+            run = lambda: self._scanned(x, stacked, self.head, head_rows)  # noqa: E731
+        else:
+            run = lambda: self._looped(x, self.layers, self.head, head_rows)  # noqa: E731
+        return statistics.median(timed(lambda: jax.block_until_ready(run()), repeats))
+
+
 def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False) -> float:
     """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit): a loop
     over per-layer arrays, or (``scan``) a ``lax.scan`` over the layers' stacked weights, as the runner's layer
     loop reads them (XLA:CPU copies each layer's slice before its dots read it)."""
-    import jax
-    import jax.numpy as jnp
-
-    E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.vocab_size, cfg.num_layers)
-    shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
-    key = jax.random.key(0)
-    layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(L)]
-    head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
-
-    def layer(x, weights):
-        q, k, v, o, g, u, d = weights
-        a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
-        x = x + a @ o
-        return x + (jax.nn.silu(x @ g) * (x @ u)) @ d
-
-    @jax.jit
-    def looped(x, layers, head):
-        for weights in layers:
-            x = layer(x, weights)
-        return x @ head
-
-    @jax.jit
-    def scanned(x, stacked, head):
-        return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0] @ head
-
-    x = jnp.ones((batch, E), jnp.float32)
-    if scan:
-        stacked = [jnp.stack(ws) for ws in zip(*layers, strict=True)]
-        del layers
-        return statistics.median(timed(lambda: scanned(x, stacked, head).block_until_ready(), repeats))
-    return statistics.median(timed(lambda: looped(x, layers, head).block_until_ready(), repeats))
+    return DenseMatmuls(cfg).seconds(batch, batch, repeats, scan)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -175,7 +175,28 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
             "median_step_ms": summary([t * 1e3 for _, t in steps])["median"],
         }
     out["engine_s"] = wall - out["prefill"]["seconds"] - out["decode"]["seconds"]
+    out["parts_floor"] = parts_floor(cfg, [batches[s] for s, _ in trace], rates["bandwidth"])
     return out
+
+
+def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int = 3) -> dict[str, Any]:
+    """A floor for the run measured by running its parts, independent of the FLOP count and the 2048³ rate:
+    XLA:CPU's own dots for each step's tokens (every layer weight once; the LM head on the rows it sampled),
+    timed alone over resident weights (``decode.DenseMatmuls``), plus the K/V bytes each decode token reads
+    once at the measured bandwidth. What any engine built on XLA:CPU's dots would still spend on this run."""
+    from sections.decode import DenseMatmuls
+
+    E, F, H, K, D, V, L, _ = _dims(cfg)
+    dots = DenseMatmuls(cfg)
+    counts: dict[tuple[int, int], int] = {}
+    for b in steps:
+        key = (b["tokens"], b["sampled"])
+        counts[key] = counts.get(key, 0) + 1
+    dots_s = {key: dots.seconds(*key, repeats) for key in counts}
+    kv_bytes = sum(b["attended"] for b in steps if not b["prefill"]) * L * 2 * K * D * 4
+    dense = sum(n * dots_s[key] for key, n in counts.items())
+    return {"dots_s": dense, "kv_s": kv_bytes / bandwidth, "seconds": dense + kv_bytes / bandwidth,
+            "shapes": [[t, s, n, dots_s[(t, s)]] for (t, s), n in sorted(counts.items())]}
 
 
 class PipejaxSide:
