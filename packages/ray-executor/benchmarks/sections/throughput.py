@@ -184,18 +184,16 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
     XLA:CPU's own dots for each step's tokens (every layer weight once; the LM head on the rows it sampled),
     timed alone over resident weights (``decode.DenseMatmuls``), plus the K/V bytes each decode token reads
     once at the measured bandwidth. What any engine built on XLA:CPU's dots would still spend on this run."""
-    from sections.decode import DenseMatmuls
+    from collections import Counter
 
-    E, F, H, K, D, V, L, _ = _dims(cfg)
+    from sections.decode import DenseMatmuls, kv_bytes
+
     dots = DenseMatmuls(cfg)
-    counts: dict[tuple[int, int], int] = {}
-    for b in steps:
-        key = (b["tokens"], b["sampled"])
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter((b["tokens"], b["sampled"]) for b in steps)
     dots_s = {key: dots.seconds(*key, repeats) for key in counts}
-    kv_bytes = sum(b["attended"] for b in steps if not b["prefill"]) * L * 2 * K * D * 4
     dense = sum(n * dots_s[key] for key, n in counts.items())
-    return {"dots_s": dense, "kv_s": kv_bytes / bandwidth, "seconds": dense + kv_bytes / bandwidth,
+    kv_s = kv_bytes(cfg, 1, sum(b["attended"] for b in steps if not b["prefill"])) / bandwidth
+    return {"dots_s": dense, "kv_s": kv_s, "seconds": dense + kv_s,
             "shapes": [[t, s, n, dots_s[(t, s)]] for (t, s), n in sorted(counts.items())]}
 
 
