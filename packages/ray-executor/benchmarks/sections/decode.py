@@ -10,7 +10,8 @@ The runner's default decode attention is timed (on CPU: the hand-written kernel 
 inputs, the jitted forward, sampling), the same parts with XLA's formulation of the decode attention are
 set next to them, and set next to the same model's dense matmuls alone (every weight matrix once,
 same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
-the paged KV gather. The same dense matmuls are timed as a loop over per-layer arrays and as a scan over
+the paged KV gather. The same matmuls in torch, in a process of its own and in the same rounds, measure the
+64-row matmul rate a second way. The same dense matmuls are timed as a loop over per-layer arrays and as a scan over
 the stacked weights, alternated, at batch 1 and 64: the difference is the copy of each layer's weights
 that the scan's dynamic slice makes on XLA:CPU. So the runner's decode steps on CPU run the layers unrolled
 over per-layer views of the weights (``decode_layers``); that step is timed against the same step as a
@@ -29,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from sections.common import bench_model, machine_rates, section_main, summary, timed
+from sections.common import EngineProcess, bench_model, machine_rates, section_main, summary, timed
 
 CONTEXT = 128
 HEADLINE_BATCH = 64
@@ -212,6 +213,39 @@ class DenseMatmuls:
         return statistics.median(timed(lambda: jax.block_until_ready(run()), repeats))
 
 
+class TorchDenseMatmuls:
+    """``DenseMatmuls``' matrices and order in torch (random, resident, fp32, torch's default threads), for a process
+    of its own (``EngineProcess``): a second library's matmuls at the decode step's row count, so that the gap
+    between a 64-row matmul and the 2048³ rate is measured as the machine's, not only XLA:CPU's."""
+
+    def __init__(self, cfg):
+        import torch
+
+        E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, cfg.vocab_size, cfg.num_layers)
+        shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
+        gen = torch.Generator().manual_seed(0)
+        self.layers = [[torch.randn(s, generator=gen) * 0.02 for s in shapes] for _ in range(L)]
+        self.head = torch.randn((E, V), generator=gen) * 0.02
+        self.width, self.pad = E, H * D - K * D
+
+    def seconds(self, rows: int, head_rows: int, repeats: int) -> float:
+        """Median seconds of one application (warmed up before timing)."""
+        import torch
+
+        x = torch.ones(rows, self.width)
+
+        @torch.inference_mode()
+        def run():
+            h = x
+            for q, k, v, o, g, u, d in self.layers:
+                h = h + (h @ q + torch.nn.functional.pad(h @ k + h @ v, (0, self.pad))) @ o
+                h = h + (torch.nn.functional.silu(h @ g) * (h @ u)) @ d
+            return h[:head_rows] @ self.head
+
+        return statistics.median(timed(run, repeats))
+
+
 def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False) -> float:
     """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit): a loop
     over per-layer arrays, or (``scan``) a ``lax.scan`` over the layers' stacked weights, as the runner's layer
@@ -251,11 +285,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = bench.parts(b, steps)
     # The model's dense matmuls as a loop over per-layer arrays, and read through a scan over stacked weights as
     # the runner's layer loop reads them, alternated (three rounds: one sample swung 90 -> 147 ms on a noisy host).
+    # torch's matmuls at the headline batch, in a process of its own, in the same rounds.
     layer_loop = {n: {"per_layer_ms": [], "scan_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
-    for _ in range(3):
-        for n, times in layer_loop.items():
-            times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
-            times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
+    torch_ms = []
+    with EngineProcess(TorchDenseMatmuls, cfg) as torch_dots:
+        for _ in range(3):
+            for n, times in layer_loop.items():
+                times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
+                times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
+            torch_ms.append(torch_dots.call("seconds", b, b, steps) * 1e3)
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
@@ -300,6 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_attention": "cpu-kernel" if xla_parts is not None else "xla",
         "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
+        "torch_dense_matmuls_ms": summary(torch_ms),
         "layer_loop_ms": layer_loop,
         "decode_layers": bench_layers,
         "few_row_dots": bench_dots,
