@@ -208,9 +208,15 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
 
     top_k = jnp.where(greedy, 0, meta.top_k)
     top_p = jnp.where(greedy, 1.0, meta.top_p)
-    bits = _ordered_bits(scaled)  # [R, V]
-    cut = _top_k_top_p_cut(scaled, bits, top_k, top_p)
-    scaled = jnp.where(bits >= cut[:, None], scaled, -jnp.inf)
+
+    def keep_above_cut():
+        bits = _ordered_bits(scaled)  # [R, V]
+        cut = _top_k_top_p_cut(scaled, bits, top_k, top_p)
+        return jnp.where(bits >= cut[:, None], scaled, -jnp.inf)
+
+    # With no row filtering, the two passes over [R, V] that cutting takes are skipped too.
+    filtering = jnp.any(((top_k > 0) & (top_k < scaled.shape[-1])) | (top_p < 1.0))
+    scaled = jax.lax.cond(filtering, keep_above_cut, lambda: scaled)
 
     keys = jax.random.wrap_key_data(jnp.asarray(meta.keys, jnp.uint32), impl="threefry2x32")
     uniform = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)  # [R]
@@ -226,7 +232,7 @@ def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int | None)
     logits = logits.astype(jnp.float32)  # [R, V]
     rows = logits.shape[0]
     greedy = meta.temperature < GREEDY_TEMPERATURE  # [R]
-    greedy_tokens = _argmax(logits)
+    greedy_tokens = jax.lax.cond(jnp.any(greedy), lambda: _argmax(logits), lambda: jnp.zeros(rows, jnp.int32))
     tokens = jax.lax.cond(
         jnp.all(greedy),
         lambda: greedy_tokens,
