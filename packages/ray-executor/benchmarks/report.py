@@ -881,9 +881,17 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     return True
 
 
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")  # what the matmul libraries can use
+
+
 def machine() -> str:
+    """CPUs (model; the vector extensions /proc/cpuinfo lists among ``VECTOR_FLAGS``), RAM, kernel."""
     try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            info = f.read().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+        flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+        model += "; " + (", ".join(f for f in VECTOR_FLAGS if f in flags) or "none of " + "/".join(VECTOR_FLAGS))
     except (OSError, StopIteration):
         model = platform.processor() or "?"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
