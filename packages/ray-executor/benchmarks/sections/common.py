@@ -103,6 +103,16 @@ def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
     return out
 
 
+def matmul_rate(repeats: int = 5) -> float:
+    """FLOP/s of a 2048^3 fp32 matmul in JAX, the median of ``repeats``."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    return 2 * 2048**3 / statistics.median(timed(lambda: matmul(a).block_until_ready(), repeats))
+
+
 def machine_rates(repeats: int = 5) -> dict[str, float]:
     """This machine's fp32 matmul rate (FLOP/s, 2048^3 in JAX) and resident read bandwidth (bytes/s), each
     the median of ``repeats`` — the floor's denominators (a decode step streams its weights and K/V: reads).
@@ -117,9 +127,7 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
     import jax.numpy as jnp
     import numpy as np
 
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    t_mm = statistics.median(timed(lambda: matmul(a).block_until_ready(), repeats))
+    flops = matmul_rate(repeats)
     n = 256 * 1024 * 1024  # 1 GiB of fp32
     resident = [jnp.ones((n,), jnp.float32)]
     total = jax.jit(jnp.sum)
@@ -132,7 +140,7 @@ def machine_rates(repeats: int = 5) -> dict[str, float]:
     with ThreadPoolExecutor(threads) as pool:
         t_np = statistics.median(timed(lambda: list(pool.map(np.add.reduce, parts)), repeats))
     t_copy = statistics.median(timed(lambda: np.copyto(dst, src), repeats))
-    return {"flops": 2 * 2048**3 / t_mm, "bandwidth": 4 * n / t_bw, "numpy_bandwidth": 4 * n / t_np,
+    return {"flops": flops, "bandwidth": 4 * n / t_bw, "numpy_bandwidth": 4 * n / t_np,
             "numpy_copy_bandwidth": 2 * 4 * n / t_copy}
 
 

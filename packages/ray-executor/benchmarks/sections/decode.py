@@ -30,7 +30,15 @@ import statistics
 import time
 from typing import Any
 
-from sections.common import EngineProcess, bench_model, machine_rates, section_main, summary, timed
+from sections.common import (
+    EngineProcess,
+    bench_model,
+    machine_rates,
+    matmul_rate,
+    section_main,
+    summary,
+    timed,
+)
 
 CONTEXT = 128
 HEADLINE_BATCH = 64
@@ -285,15 +293,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = bench.parts(b, steps)
     # The model's dense matmuls as a loop over per-layer arrays, and read through a scan over stacked weights as
     # the runner's layer loop reads them, alternated (three rounds: one sample swung 90 -> 147 ms on a noisy host).
-    # torch's matmuls at the headline batch, in a process of its own, in the same rounds.
+    # torch's matmuls at the headline batch, in a process of its own, in the same rounds; each library's 64-row
+    # rate is taken as a share of the 2048³ rate timed in its round (the machine's speed swings between rounds).
     layer_loop = {n: {"per_layer_ms": [], "scan_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
-    torch_ms = []
+    torch_ms, shares = [], {"jax": [], "torch": []}
+    matmul_params = (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2
+    matmul_flops = 2 * b * matmul_params
     with EngineProcess(TorchDenseMatmuls, cfg) as torch_dots:
         for _ in range(3):
             for n, times in layer_loop.items():
                 times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
                 times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
             torch_ms.append(torch_dots.call("seconds", b, b, steps) * 1e3)
+            square = matmul_rate(3)
+            shares["jax"].append(matmul_flops / (layer_loop[b]["per_layer_ms"][-1] / 1e3) / square)
+            shares["torch"].append(matmul_flops / (torch_ms[-1] / 1e3) / square)
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
@@ -339,6 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
         "torch_dense_matmuls_ms": summary(torch_ms),
+        "matmul_share_64": {lib: summary(v) for lib, v in shares.items()},  # of the 2048³ rate, same round
         "layer_loop_ms": layer_loop,
         "decode_layers": bench_layers,
         "few_row_dots": bench_dots,
@@ -347,7 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "first_step_s": first_step_s,
         "kv_gather_ms": gather_ms,
         "weight_bytes": step_cost(cfg, b)[1],
-        "matmul_params": (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2,
+        "matmul_params": matmul_params,
         "kv_bytes_needed": kv_bytes(cfg, b, CONTEXT + 1),
         "kv_bytes_gathered": kv_bytes(cfg, b, slots),
         "kv_slots_gathered": slots,

@@ -114,6 +114,11 @@ def _largest_cut(bits: jax.Array, weights: jax.Array | None, target: jax.Array) 
     return jax.lax.fori_loop(0, 32, add_bit, jnp.zeros(bits.shape[:1], jnp.uint32))
 
 
+def _filters_on(top_k: jax.Array, top_p: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Per row, whether top-k and whether top-p filter anything.  # ([R], [R]) bool"""
+    return (top_k > 0) & (top_k < vocab), top_p < 1.0
+
+
 def _top_k_top_p_cut(scaled: jax.Array, bits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Per-row cut (in ``_ordered_bits`` space) of top-k, then top-p on what top-k kept.  # [R]
 
@@ -121,12 +126,9 @@ def _top_k_top_p_cut(scaled: jax.Array, bits: jax.Array, top_k: jax.Array, top_p
     Ties with the cut value survive (as in vLLM's top-k). A disabled filter gives cut 0, which
     keeps everything; a filter no row uses costs nothing (``lax.cond``).
     """
-    vocab = scaled.shape[-1]
     no_cut = jnp.zeros(scaled.shape[:1], jnp.uint32)
-    k_on = (top_k > 0) & (top_k < vocab)
+    k_on, p_on = _filters_on(top_k, top_p, scaled.shape[-1])
     k_cut = jax.lax.cond(jnp.any(k_on), lambda: jnp.where(k_on, _largest_cut(bits, None, top_k), 0), lambda: no_cut)
-
-    p_on = top_p < 1.0
 
     def nucleus_cut():
         kept = bits >= k_cut[:, None]
@@ -215,7 +217,7 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
         return jnp.where(bits >= cut[:, None], scaled, -jnp.inf)
 
     # With no row filtering, the two passes over [R, V] that cutting takes are skipped too.
-    filtering = jnp.any(((top_k > 0) & (top_k < scaled.shape[-1])) | (top_p < 1.0))
+    filtering = jnp.any(jnp.logical_or(*_filters_on(top_k, top_p, scaled.shape[-1])))
     scaled = jax.lax.cond(filtering, keep_above_cut, lambda: scaled)
 
     keys = jax.random.wrap_key_data(jnp.asarray(meta.keys, jnp.uint32), impl="threefry2x32")
