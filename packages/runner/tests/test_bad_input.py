@@ -68,9 +68,9 @@ def test_stage_reads_only_its_own_tensors(llama, tmp_path):
     path = _single_file_copy(llama, tmp_path / "m", keep_stage1)
     runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(1, 2), CacheConfig(num_blocks=8))
     assert sorted(runner.params) == sorted(
-        ["final_norm", "lm_head"] + [f"layers.{n}" for n in "input_norm q k v o post_norm gate up down".split()]
+        ["final_norm", "lm_head"] + [f"layers.{n}" for n in "input_norm qkv o post_norm gate_up down".split()]
     )
-    assert runner.params["layers.q"].shape[0] == 3
+    assert runner.params["layers.qkv"].shape[0] == 3
 
 
 @pytest.mark.parametrize("tp", [3, 8])

@@ -126,22 +126,35 @@ class SafetensorsIndex:
 Converter = Callable[[np.ndarray, int, int], tuple[tuple[slice, ...], np.ndarray]]
 
 
-def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[str, tuple[int, ...], int, Converter]]:
-    """Runner param name -> (HF name template, HF shape, rows per unit, rows of HF -> runner layout).
+# Where a runner parameter's values come from: (HF name template, HF shape, rows per unit, rows of HF -> runner layout).
+Source = tuple[str, tuple[int, ...], int, Converter]
 
-    HF tensors are read in chunks of whole units along their first axis (one attention head's
-    rows for the head-shaped projections), so a chunk's place in the runner layout is a block.
+
+def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[Source, ...]]:
+    """Runner param name -> the HF tensors it is made of (``qkv`` of three, ``gate_up`` of two).
+
+    HF tensors are read in chunks of whole units along their first axis (one attention head's rows,
+    or one KV group's query heads, for the head-shaped projections), so a chunk's place in the runner
+    layout is a block.
     """
     E, F, H, D, K0 = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.head_dim, cfg.num_kv_heads
-    repeat = kv_heads_for_tp(cfg, tp) // K0
+    K = kv_heads_for_tp(cfg, tp)
+    G, repeat = H // K, K // K0
     whole = 1 << 62  # 1-D tensors (norms, biases) are read in one piece
 
-    def heads_in(rep: int = 1) -> Converter:  # [n*D, E] -> [E, n*rep, D]
+    def query_groups(w, r0, r1):  # [n*G*D, E] -> [E, n, G, D]: KV groups' query heads, slots [0, G)
+        n = (r1 - r0) // (G * D)
+        return (slice(None), slice(r0 // (G * D), r0 // (G * D) + n), slice(0, G)), w.T.reshape(E, n, G, D)
+
+    def kv_slot(slot: int) -> Converter:  # [n*D, E] -> [E, n*repeat, 1, D] in a group's slot G (key) or G + 1
         def convert(w, r0, r1):
-            heads = np.repeat(w.T.reshape(E, (r1 - r0) // D, D), rep, axis=1)
-            return (slice(None), slice(r0 // D * rep, r1 // D * rep)), heads
+            heads = np.repeat(w.T.reshape(E, (r1 - r0) // D, 1, D), repeat, axis=1)
+            return (slice(None), slice(r0 // D * repeat, r1 // D * repeat), slice(slot, slot + 1)), heads
 
         return convert
+
+    def half(c: int) -> Converter:  # [rows of F, E] -> [E, 1, rows]: gate (c = 0) or up (c = 1)
+        return lambda w, r0, r1: ((slice(None), slice(c, c + 1), slice(r0, r1)), w.T[:, None, :])
 
     def bias(n: int, rep: int = 1) -> Converter:  # [n*D] -> [n*rep, D]
         return lambda b, r0, r1: ((), np.repeat(b.reshape(n, D), rep, axis=0))
@@ -155,25 +168,26 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[str, tuple[i
     def o_proj(w, r0, r1):  # [E, H*D] -> [H, D, E]
         return (slice(None), slice(None), slice(r0, r1)), w.T.reshape(H, D, r1 - r0)
 
-    attn = "model.layers.{i}.self_attn."
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     table = {
-        "input_norm": ("model.layers.{i}.input_layernorm.weight", (E,), whole, same),
-        "q": (attn + "q_proj.weight", (H * D, E), D, heads_in()),
-        "k": (attn + "k_proj.weight", (K0 * D, E), D, heads_in(repeat)),
-        "v": (attn + "v_proj.weight", (K0 * D, E), D, heads_in(repeat)),
-        "o": (attn + "o_proj.weight", (E, H * D), 1, o_proj),
-        "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", (E,), whole, same),
-        "gate": ("model.layers.{i}.mlp.gate_proj.weight", (F, E), 1, transpose),
-        "up": ("model.layers.{i}.mlp.up_proj.weight", (F, E), 1, transpose),
-        "down": ("model.layers.{i}.mlp.down_proj.weight", (E, F), 1, transpose),
+        "input_norm": (("model.layers.{i}.input_layernorm.weight", (E,), whole, same),),
+        "qkv": (
+            (attn + "q_proj.weight", (H * D, E), G * D, query_groups),
+            (attn + "k_proj.weight", (K0 * D, E), D, kv_slot(G)),
+            (attn + "v_proj.weight", (K0 * D, E), D, kv_slot(G + 1)),
+        ),
+        "o": ((attn + "o_proj.weight", (E, H * D), 1, o_proj),),
+        "post_norm": (("model.layers.{i}.post_attention_layernorm.weight", (E,), whole, same),),
+        "gate_up": ((mlp + "gate_proj.weight", (F, E), 1, half(0)), (mlp + "up_proj.weight", (F, E), 1, half(1))),
+        "down": ((mlp + "down_proj.weight", (E, F), 1, transpose),),
     }
     if cfg.qkv_bias:
-        table["q_bias"] = (attn + "q_proj.bias", (H * D,), whole, bias(H))
-        table["k_bias"] = (attn + "k_proj.bias", (K0 * D,), whole, bias(K0, repeat))
-        table["v_bias"] = (attn + "v_proj.bias", (K0 * D,), whole, bias(K0, repeat))
+        table["q_bias"] = ((attn + "q_proj.bias", (H * D,), whole, bias(H)),)
+        table["k_bias"] = ((attn + "k_proj.bias", (K0 * D,), whole, bias(K0, repeat)),)
+        table["v_bias"] = ((attn + "v_proj.bias", (K0 * D,), whole, bias(K0, repeat)),)
     if cfg.qk_norm:
-        table["q_norm"] = (attn + "q_norm.weight", (D,), whole, same)
-        table["k_norm"] = (attn + "k_norm.weight", (D,), whole, same)
+        table["q_norm"] = ((attn + "q_norm.weight", (D,), whole, same),)
+        table["k_norm"] = ((attn + "k_norm.weight", (D,), whole, same),)
     return table
 
 
@@ -224,10 +238,11 @@ def _host_params(
     if stage.is_last and not cfg.tie_word_embeddings:
         yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), 1, columns)
     layers = stage.layer_range(cfg)
-    for name, (template, hf_shape, unit, convert) in _hf_layer_tensors(cfg, tp).items():
+    for name, sources in _hf_layer_tensors(cfg, tp).items():
         pieces = (
             piece
             for i, layer in enumerate(layers)
+            for template, hf_shape, unit, convert in sources
             for piece in _chunks(ckpt, template.format(i=layer), hf_shape, unit, convert, (slice(i, i + 1),))
         )
         yield f"layers.{name}", pieces
