@@ -173,10 +173,17 @@ def kv_gather(cfg, rows: int, blocks: int, block_size: int, repeats: int) -> flo
     return statistics.median(timed(lambda: run(k_cache, v_cache, tables).block_until_ready(), repeats))
 
 
+def dense_shapes(cfg) -> list[tuple[int, int]]:
+    """One layer's weight matrices as the runner stores them: q/k/v as one, o, gate/up as one, down."""
+    E, F, H, K, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return [(E, (H + 2 * K) * D), (H * D, E), (E, 2 * F), (F, E)]
+
+
 class DenseMatmuls:
-    """Every weight matrix of the model (random, resident) and one jit applying them all to an activation: the
-    dots a step must run, timed alone. ``rows`` go through the layers, the first ``head_rows`` of them through
-    the LM head (a decode step samples every row, a prefill step only each prompt's last token)."""
+    """Every weight matrix of the model (random, resident; q/k/v and gate/up fused as the runner holds them) and
+    one jit applying them all to an activation: the dots a step must run, timed alone. ``rows`` go through the
+    layers, the first ``head_rows`` of them through the LM head (a decode step samples every row, a prefill step
+    only each prompt's last token)."""
 
     def __init__(self, cfg):
         import jax
@@ -184,17 +191,18 @@ class DenseMatmuls:
 
         E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim, cfg.vocab_size, cfg.num_layers)
-        shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
         key = jax.random.key(0)
-        self.layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in shapes] for _ in range(L)]
+        self.layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in dense_shapes(cfg)] for _ in range(L)]
         self.head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
         self.width = E
 
         def layer(x, weights):
-            q, k, v, o, g, u, d = weights
-            a = x @ q + jnp.pad(x @ k + x @ v, ((0, 0), (0, H * D - K * D)))
+            qkv, o, gate_up, down = weights
+            h = x @ qkv
+            a = h[:, :H * D] + jnp.pad(h[:, H * D:(H + K) * D] + h[:, (H + K) * D:], ((0, 0), (0, (H - K) * D)))
             x = x + a @ o
-            return x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+            h = x @ gate_up
+            return x + (jax.nn.silu(h[:, :F]) * h[:, F:]) @ down
 
         def looped(x, layers, head, head_rows):
             for weights in layers:
@@ -231,11 +239,10 @@ class TorchDenseMatmuls:
 
         E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim, cfg.vocab_size, cfg.num_layers)
-        shapes = [(E, H * D), (E, K * D), (E, K * D), (H * D, E), (E, F), (E, F), (F, E)]
         gen = torch.Generator().manual_seed(0)
-        self.layers = [[torch.randn(s, generator=gen) * 0.02 for s in shapes] for _ in range(L)]
+        self.layers = [[torch.randn(s, generator=gen) * 0.02 for s in dense_shapes(cfg)] for _ in range(L)]
         self.head = torch.randn((E, V), generator=gen) * 0.02
-        self.width, self.pad = E, H * D - K * D
+        self.width, self.q, self.kv, self.F = E, H * D, K * D, F
 
     def seconds(self, rows: int, head_rows: int, repeats: int) -> float:
         """Median seconds of one application (warmed up before timing)."""
@@ -246,9 +253,13 @@ class TorchDenseMatmuls:
         @torch.inference_mode()
         def run():
             h = x
-            for q, k, v, o, g, u, d in self.layers:
-                h = h + (h @ q + torch.nn.functional.pad(h @ k + h @ v, (0, self.pad))) @ o
-                h = h + (torch.nn.functional.silu(h @ g) * (h @ u)) @ d
+            q, kv, F = self.q, self.kv, self.F
+            for qkv, o, gate_up, down in self.layers:
+                a = h @ qkv
+                a = a[:, :q] + torch.nn.functional.pad(a[:, q:q + kv] + a[:, q + kv:], (0, q - kv))
+                h = h + a @ o
+                g = h @ gate_up
+                h = h + (torch.nn.functional.silu(g[:, :F]) * g[:, F:]) @ down
             return h[:head_rows] @ self.head
 
         return statistics.median(timed(run, repeats))
