@@ -161,30 +161,53 @@ def _key(d: dict, k) -> Any:
 # --- the report ----------------------------------------------------------------------------------
 
 
+_LIBRARIES = {"jax": "XLA's", "torch": "torch's", "numpy": "numpy's (OpenBLAS)"}
+
+
 def _second_library_line(dd: dict, x: dict) -> list[str]:
-    """The 64-row matmuls measured a second way (torch, its own process, the same rounds), each as a share of the
-    2048³ rate timed in its round, and what the better share leaves of the batch-64 goal: the floor assumes the
-    2048³ rate, so at a share s the matmuls alone take 1/s of their part of the floor, whatever the machine's phase."""
+    """The 64-row matmuls measured other ways (torch, and numpy where the run has it, each in its own process, the
+    same rounds), each as a share of the 2048³ rate timed in its round, and what the best share leaves of the
+    batch-64 goal: the floor assumes the 2048³ rate, so at a share s the matmuls alone take 1/s of their part of the
+    floor, whatever the machine's phase. Then XLA's at twice the rows: what a pass over the weights costs apart
+    from its rows."""
     t, shares = dd.get("torch_dense_matmuls_ms"), dd.get("matmul_share_64")
     if not t or not shares or "matmul_params" not in dd:
         return []
     floor, goal = x["floor_ms"]["median"], 1.5
     matmul_floor_ms = 2 * 64 * dd["matmul_params"] / (dd["matmul_gflops"]["median"] * 1e9) * 1e3
     kv_ms = dd["kv_bytes_needed"] / (dd["memory_gbps"]["median"] * 1e9) * 1e3
-    best = max(shares["jax"]["median"], shares["torch"]["median"])
+    libs = [lib for lib in _LIBRARIES if lib in shares]
+    best = max(shares[lib]["median"] for lib in libs)
     least = matmul_floor_ms / best + kv_ms
-    line = (f"Measured a second way: the same matmuls in torch, in a process of its own and in the same rounds, take "
-            f"{fmt(t, 0)} ms. As shares of the 2048³ rate timed in the same round, XLA's 64-row matmuls ran at "
-            f"{fmt(shares['jax'], 2)} and torch's at {fmt(shares['torch'], 2)}: a 64-row matmul runs below a square "
-            f"one's rate in both libraries. At the better share the matmuls alone take {least - kv_ms:.0f} ms of a "
-            f"{floor:.0f} ms floor, and with the K/V read once at the measured bandwidth {least / floor:.2f}× it, "
-            "before attention's arithmetic, the small operations and sampling")
+    others = [f"in torch take {fmt(t, 0)} ms"]
+    if dd.get("numpy_dense_matmuls_ms"):
+        others.append(f"in numpy (OpenBLAS) {fmt(dd['numpy_dense_matmuls_ms'], 0)} ms")
+    named = [f"{_LIBRARIES[lib]} at {fmt(shares[lib], 2)}" for lib in libs]
+    line = (f"Measured {'a second way' if len(others) == 1 else 'other ways'}: the same matmuls "
+            f"{' and '.join(others)}, each in a process of its own and in the same rounds. As shares of the 2048³ "
+            f"rate timed in the same round, XLA's 64-row matmuls ran at {fmt(shares['jax'], 2)}, "
+            f"{' and '.join(named[1:])}: a 64-row matmul runs below a square one's rate in "
+            f"{'both libraries' if len(libs) == 2 else 'every library'}. At the best share the matmuls alone take "
+            f"{least - kv_ms:.0f} ms of a {floor:.0f} ms floor, and with the K/V read once at the measured "
+            f"bandwidth {least / floor:.2f}× it, before attention's arithmetic, the small operations and sampling")
     if least / floor > goal:
-        line += (f": ≤ {goal}× is out of reach on this machine for an engine built on either library's "
-                 "matmuls.")
+        line += f": ≤ {goal}× is out of reach on this machine for an engine built on these libraries' matmuls."
     else:
         line += f"; ≤ {goal}× leaves {goal * floor - least:.0f} ms for them."
-    return [line]
+    lines = [line]
+    fixed, double = dd.get("dense_matmuls_fixed_ms"), dd.get("dense_matmuls_2x_ms")
+    if fixed and double:
+        single = dd["dense_matmuls_ms"]
+        per_row_ms = (double["median"] - single) / 64
+        read_ms = dd["weight_bytes"] / (dd["memory_gbps"]["median"] * 1e9) * 1e3
+        lines.append(
+            f"Why: XLA's same matmuls at 128 rows take {fmt(double, 0)} ms against {single:.0f} at 64. Each row "
+            f"adds {per_row_ms:.2f} ms ({2 * dd['matmul_params'] / per_row_ms / 1e6:.0f} GFLOP/s), and "
+            f"{fmt(fixed, 0)} ms (2 t(64) − t(128), per round) is paid once per pass over the weights whatever its "
+            f"rows: {fixed['median'] / read_ms:.1f}× the {read_ms:.0f} ms that reading the weights once at the "
+            "measured bandwidth takes. The libraries stream (and pack) the weights apart from their arithmetic, "
+            "where the floor's max(compute, memory) assumes the two overlap.")
+    return lines
 
 def _attention_kernel_line(dd: dict) -> str:
     """The decode attention's kernel next to XLA's formulation, same step, same batch (decode section)."""

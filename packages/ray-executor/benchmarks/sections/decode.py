@@ -6,17 +6,17 @@ memory bandwidth), the rates measured in the same repeat as the steps (so both s
 temperature 1 included, until the tokens are on the host), pp=1 tp=1 on one CPU device.
 
 The runner's default decode attention is timed (on CPU: the hand-written kernel of
-``pipejax.runner.cpu_decode_attention``); at the headline batch the step is split into its parts (host
-inputs, the jitted forward, sampling), the same parts with XLA's formulation of the decode attention are
-set next to them, and set next to the same model's dense matmuls alone (every weight matrix once,
-same batch, one jit): the part of the forward that is not the weights' matmuls is attention and
-the paged KV gather. The same matmuls in torch, in a process of its own and in the same rounds, measure the
-64-row matmul rate a second way. The same dense matmuls are timed as a loop over per-layer arrays and as a scan over
-the stacked weights, alternated, at batch 1 and 64: the difference is the copy of each layer's weights
-that the scan's dynamic slice makes on XLA:CPU. So the runner's decode steps on CPU run the layers unrolled
-over per-layer views of the weights (``decode_layers``); that step is timed against the same step as a
-layer scan, alternated, with each one's first step (its compile). The KV bytes the attention reads are
-reported next to the weights.
+``pipejax.runner.cpu_decode_attention``); at the headline batch the step is split into its parts (host inputs, the
+jitted forward, sampling), the same parts with XLA's formulation of the decode attention are set next to them, and
+set next to the same model's dense matmuls alone (every weight matrix once, same batch, one jit): the part of the
+forward that is not the weights' matmuls is attention and the paged KV gather. The same matmuls in torch and in
+numpy (OpenBLAS), each in a process of its own and in the same rounds, measure the 64-row matmul rate a second and
+a third way; XLA's at 128 rows splits a pass over the weights into a part per row and a part per pass. The same
+dense matmuls are timed as a loop over per-layer arrays and as a scan over the stacked weights, alternated, at
+batch 1 and 64: the difference is the copy of each layer's weights that the scan's dynamic slice makes on XLA:CPU.
+So the runner's decode steps on CPU run the layers unrolled over per-layer views of the weights
+(``decode_layers``); that step is timed against the same step as a layer scan, alternated, with each one's first
+step (its compile). The KV bytes the attention reads are reported next to the weights.
 
 Also one 2048-token prefill step (16 fresh prompts x 128 tokens, the jitted forward): its useful FLOP rate
 as a share of the matmul rate measured in the same repeat.
@@ -265,6 +265,50 @@ class TorchDenseMatmuls:
         return statistics.median(timed(run, repeats))
 
 
+class NumpyDenseMatmuls:
+    """``DenseMatmuls``' matrices and order in numpy (its BLAS: OpenBLAS in numpy's wheels; random, resident, fp32,
+    every output written into a buffer allocated once, so no page faults are timed), for a process of its own: a
+    third library's matmuls at the decode step's row count."""
+
+    def __init__(self, cfg):
+        import numpy as np
+
+        E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, cfg.vocab_size, cfg.num_layers)
+        rng = np.random.default_rng(0)
+        self.layers = [[rng.standard_normal(s, np.float32) * np.float32(0.02) for s in dense_shapes(cfg)]
+                       for _ in range(L)]
+        self.head = rng.standard_normal((E, V), np.float32) * np.float32(0.02)
+        self.width, self.q, self.kv, self.F = E, H * D, K * D, F
+
+    def seconds(self, rows: int, head_rows: int, repeats: int) -> float:
+        """Median seconds of one application (warmed up before timing)."""
+        import numpy as np
+
+        q, kv, F = self.q, self.kv, self.F
+        qkv, o, gate_up, down = self.layers[0]
+        x, a, g = (np.ones((rows, self.width), np.float32), np.empty((rows, qkv.shape[1]), np.float32),
+                   np.empty((rows, gate_up.shape[1]), np.float32))
+        h, attn, act = np.empty_like(x), np.empty((rows, q), np.float32), np.empty((rows, F), np.float32)
+        logits = np.empty((head_rows, self.head.shape[1]), np.float32)
+
+        def run():
+            x.fill(1.0)  # the same input every time (a residual stream growing over repeats could reach denormals)
+            for qkv, o, gate_up, down in self.layers:
+                np.matmul(x, qkv, out=a)
+                np.add(a[:, :q], 0, out=attn)
+                attn[:, :kv] += a[:, q:q + kv] + a[:, q + kv:]
+                np.matmul(attn, o, out=h)
+                x[:] += h
+                np.matmul(x, gate_up, out=g)
+                np.multiply(g[:, :F] / (1 + np.exp(-g[:, :F])), g[:, F:], out=act)
+                np.matmul(act, down, out=h)
+                x[:] += h
+            np.matmul(x[:head_rows], self.head, out=logits)
+
+        return statistics.median(timed(run, repeats))
+
+
 def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False) -> float:
     """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit): a loop
     over per-layer arrays, or (``scan``) a ``lax.scan`` over the layers' stacked weights, as the runner's layer
@@ -304,21 +348,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = bench.parts(b, steps)
     # The model's dense matmuls as a loop over per-layer arrays, and read through a scan over stacked weights as
     # the runner's layer loop reads them, alternated (three rounds: one sample swung 90 -> 147 ms on a noisy host).
-    # torch's matmuls at the headline batch, in a process of its own, in the same rounds; each library's 64-row
-    # rate is taken as a share of the 2048³ rate timed in its round (the machine's speed swings between rounds).
+    # torch's and numpy's matmuls at the headline batch, each in a process of its own, in the same rounds; each
+    # library's 64-row rate is taken as a share of the 2048³ rate timed in its round (the machine's speed swings
+    # between rounds). XLA's at twice the rows too: t(rows) = fixed + rows x per-row splits a pass over the weights
+    # into what more rows cost and what every pass costs whatever its rows.
     layer_loop = {n: {"per_layer_ms": [], "scan_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
-    torch_ms, shares = [], {"jax": [], "torch": []}
+    lib_ms: dict[str, list[float]] = {"torch": [], "numpy": []}
+    shares: dict[str, list[float]] = {"jax": [], "torch": [], "numpy": []}
+    double_ms, fixed_ms = [], []
     matmul_params = (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2
     matmul_flops = 2 * b * matmul_params
-    with EngineProcess(TorchDenseMatmuls, cfg) as torch_dots:
+    with EngineProcess(TorchDenseMatmuls, cfg) as torch_dots, EngineProcess(NumpyDenseMatmuls, cfg) as numpy_dots:
+        others = {"torch": torch_dots, "numpy": numpy_dots}
         for _ in range(3):
             for n, times in layer_loop.items():
                 times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
                 times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
-            torch_ms.append(torch_dots.call("seconds", b, b, steps) * 1e3)
+            double_ms.append(dense_matmuls(cfg, 2 * b, steps) * 1e3)
+            fixed_ms.append(2 * layer_loop[b]["per_layer_ms"][-1] - double_ms[-1])
+            for lib, proc in others.items():
+                lib_ms[lib].append(proc.call("seconds", b, b, steps) * 1e3)
             square = matmul_rate(3)
             shares["jax"].append(matmul_flops / (layer_loop[b]["per_layer_ms"][-1] / 1e3) / square)
-            shares["torch"].append(matmul_flops / (torch_ms[-1] / 1e3) / square)
+            for lib, times in lib_ms.items():
+                shares[lib].append(matmul_flops / (times[-1] / 1e3) / square)
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
@@ -363,7 +416,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_attention": "cpu-kernel" if xla_parts is not None else "xla",
         "xla_attention_parts_ms": xla_parts,
         "dense_matmuls_ms": dense_ms,
-        "torch_dense_matmuls_ms": summary(torch_ms),
+        "torch_dense_matmuls_ms": summary(lib_ms["torch"]),
+        "numpy_dense_matmuls_ms": summary(lib_ms["numpy"]),
+        "dense_matmuls_2x_ms": summary(double_ms),  # XLA, 2 x the headline rows, same rounds
+        "dense_matmuls_fixed_ms": summary(fixed_ms),  # 2 t(64) - t(128), per round
         "matmul_share_64": {lib: summary(v) for lib, v in shares.items()},  # of the 2048³ rate, same round
         "layer_loop_ms": layer_loop,
         "decode_layers": bench_layers,
