@@ -164,7 +164,7 @@ def _key(d: dict, k) -> Any:
 _LIBRARIES = {"jax": "XLA's", "torch": "torch's", "numpy": "numpy's (OpenBLAS)"}
 
 
-def _second_library_line(dd: dict, x: dict) -> list[str]:
+def _other_libraries_lines(dd: dict, x: dict) -> list[str]:
     """The 64-row matmuls measured other ways (torch, and numpy where the run has it, each in its own process, the
     same rounds), each as a share of the 2048³ rate timed in its round, and what the best share leaves of the
     batch-64 goal: the floor assumes the 2048³ rate, so at a share s the matmuls alone take 1/s of their part of the
@@ -205,8 +205,8 @@ def _second_library_line(dd: dict, x: dict) -> list[str]:
             f"adds {per_row_ms:.2f} ms ({2 * dd['matmul_params'] / per_row_ms / 1e6:.0f} GFLOP/s), and "
             f"{fmt(fixed, 0)} ms (2 t(64) − t(128), per round) is paid once per pass over the weights whatever its "
             f"rows: {fixed['median'] / read_ms:.1f}× the {read_ms:.0f} ms that reading the weights once at the "
-            "measured bandwidth takes. The libraries stream (and pack) the weights apart from their arithmetic, "
-            "where the floor's max(compute, memory) assumes the two overlap.")
+            "measured bandwidth takes. So the weights' stream from memory is not hidden behind the arithmetic, "
+            "where the floor's max(compute, memory) assumes it is.")
     return lines
 
 def _attention_kernel_line(dd: dict) -> str:
@@ -549,7 +549,7 @@ class Report:
                 f"GFLOP/s, {dense_rate / dd['matmul_gflops']['median']:.0%} of the 2048³ rate the floor assumes): "
                 "XLA's CPU matmuls with 64 rows are less efficient than a large square one, which the floor "
                 f"cannot see. That gap is {dd['dense_matmuls_ms'] - x['floor_ms']['median']:.0f} ms of the step.",
-            ] + _second_library_line(dd, x) + [
+            ] + _other_libraries_lines(dd, x) + [
                 f"Of the {p['forward']:.0f} ms forward, the weights' matmuls account for about "
                 f"{dd['dense_matmuls_ms']:.0f} ms; the other {rest:.0f} ms is attention over the paged KV cache "
                 "(with the norms, RoPE and cache writes). "

@@ -229,6 +229,12 @@ class DenseMatmuls:
         return statistics.median(timed(lambda: jax.block_until_ready(run()), repeats))
 
 
+def _twin_widths(cfg) -> tuple[int, int, int, int]:
+    """What ``DenseMatmuls``' twins in other libraries need to split the fused outputs: the hidden width, the query
+    and the key (= value) widths of the q/k/v output, and the MLP's width."""
+    return cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+
+
 class TorchDenseMatmuls:
     """``DenseMatmuls``' matrices and order in torch (random, resident, fp32, torch's default threads), for a process
     of its own (``EngineProcess``): a second library's matmuls at the decode step's row count, so that the gap
@@ -237,12 +243,10 @@ class TorchDenseMatmuls:
     def __init__(self, cfg):
         import torch
 
-        E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                               cfg.head_dim, cfg.vocab_size, cfg.num_layers)
         gen = torch.Generator().manual_seed(0)
-        self.layers = [[torch.randn(s, generator=gen) * 0.02 for s in dense_shapes(cfg)] for _ in range(L)]
-        self.head = torch.randn((E, V), generator=gen) * 0.02
-        self.width, self.q, self.kv, self.F = E, H * D, K * D, F
+        self.layers = [[torch.randn(s, generator=gen) * 0.02 for s in dense_shapes(cfg)] for _ in range(cfg.num_layers)]
+        self.head = torch.randn((cfg.hidden_size, cfg.vocab_size), generator=gen) * 0.02
+        self.width, self.q, self.kv, self.F = _twin_widths(cfg)
 
     def seconds(self, rows: int, head_rows: int, repeats: int) -> float:
         """Median seconds of one application (warmed up before timing)."""
@@ -273,13 +277,11 @@ class NumpyDenseMatmuls:
     def __init__(self, cfg):
         import numpy as np
 
-        E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                               cfg.head_dim, cfg.vocab_size, cfg.num_layers)
         rng = np.random.default_rng(0)
         self.layers = [[rng.standard_normal(s, np.float32) * np.float32(0.02) for s in dense_shapes(cfg)]
-                       for _ in range(L)]
-        self.head = rng.standard_normal((E, V), np.float32) * np.float32(0.02)
-        self.width, self.q, self.kv, self.F = E, H * D, K * D, F
+                       for _ in range(cfg.num_layers)]
+        self.head = rng.standard_normal((cfg.hidden_size, cfg.vocab_size), np.float32) * np.float32(0.02)
+        self.width, self.q, self.kv, self.F = _twin_widths(cfg)
 
     def seconds(self, rows: int, head_rows: int, repeats: int) -> float:
         """Median seconds of one application (warmed up before timing)."""
@@ -296,14 +298,14 @@ class NumpyDenseMatmuls:
             x.fill(1.0)  # the same input every time (a residual stream growing over repeats could reach denormals)
             for qkv, o, gate_up, down in self.layers:
                 np.matmul(x, qkv, out=a)
-                np.add(a[:, :q], 0, out=attn)
+                attn[:] = a[:, :q]
                 attn[:, :kv] += a[:, q:q + kv] + a[:, q + kv:]
                 np.matmul(attn, o, out=h)
-                x[:] += h
+                np.add(x, h, out=x)
                 np.matmul(x, gate_up, out=g)
                 np.multiply(g[:, :F] / (1 + np.exp(-g[:, :F])), g[:, F:], out=act)
                 np.matmul(act, down, out=h)
-                x[:] += h
+                np.add(x, h, out=x)
             np.matmul(x[:head_rows], self.head, out=logits)
 
         return statistics.median(timed(run, repeats))
