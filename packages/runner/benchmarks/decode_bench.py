@@ -68,7 +68,7 @@ def step_cost(cfg, batch: int) -> tuple[float, float]:
 
 def decode_times(
     path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto",
-    few_row_dots: str = "auto",
+    few_row_dots: str = "auto", dense_matmuls: str = "auto",
 ) -> dict[int, tuple[float, float, float]]:
     import jax
 
@@ -82,9 +82,10 @@ def decode_times(
     cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request)
     limits = SchedulerConfig(max_num_seqs=max(batches))
     runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
-                         decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots)
+                         decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots,
+                         dense_matmuls=dense_matmuls)
     print(f"decode attention: {runner.decode_attention}, decode layers: {runner.decode_layers}, "
-          f"few-row dots: {runner.few_row_dots}")
+          f"dense matmuls: {runner.dense_matmuls}, few-row dots: {runner.few_row_dots}")
     greedy = SamplingParams(temperature=0)
     step_ids = iter(range(10**9))
 
@@ -153,6 +154,9 @@ def main() -> None:
                         "(auto: unrolled on CPU)")
     parser.add_argument("--few-row-dots", choices=("auto", "ynnpack", "eigen"), default="auto",
                         help="the library of the dots of 4-32-row decode steps (auto: measured at the first such step)")
+    parser.add_argument("--dense-matmuls", choices=("auto", "xla", "cpu-kernel"), default="auto",
+                        help="XLA's dot over [in, out] weights, or the CPU dense kernel over weights in panels "
+                        "(auto: the kernel on CPU in float32)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     args = parser.parse_args()
 
@@ -171,7 +175,8 @@ def main() -> None:
     print("| batch | step ms | floor ms | step / floor | bound by |")
     print("|---:|---:|---:|---:|---|")
     for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention,
-                                                     args.decode_layers, args.few_row_dots).items():
+                                                     args.decode_layers, args.few_row_dots,
+                                                     args.dense_matmuls).items():
         flops, weight_bytes = step_cost(cfg, b)
         compute, memory = flops / flops_rate, weight_bytes / bandwidth
         floor = max(compute, memory)

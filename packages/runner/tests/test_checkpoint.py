@@ -15,7 +15,7 @@ from hf_oracle import make_hf_checkpoint
 from pipejax.pp_utils import logical_sharding, stage_mesh
 from pipejax.runner import checkpoint
 from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.model import RULES, param_specs
+from pipejax.runner.model import DENSE_WEIGHTS, RULES, Panels, panel_spec, param_specs
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +32,11 @@ def qwen3_bf16(tmp_path_factory):  # q/k norms, bf16 weights
     return path
 
 
-def _load(path, pp_rank, pp_size, tp):
+def _load(path, pp_rank, pp_size, tp, panels=False):
     cfg = ModelConfig.from_pretrained(path)
     stage = StageConfig(pp_rank, pp_size)
     mesh = stage_mesh(jax.devices()[:tp])
-    return cfg, stage, mesh, checkpoint.load_stage_params(path, cfg, stage, mesh)
+    return cfg, stage, mesh, checkpoint.load_stage_params(path, cfg, stage, mesh, panels=panels)
 
 
 @pytest.mark.parametrize("fixture", ["qwen2", "qwen3_bf16"])
@@ -58,6 +58,48 @@ def test_chunked_load_matches_whole_tensor_load(request, monkeypatch, fixture, p
         want = logical_sharding(mesh, specs[name].logical_axes, RULES)
         assert array.sharding.is_equivalent_to(want, array.ndim), name
         np.testing.assert_array_equal(np.asarray(array), np.asarray(whole[name]), err_msg=name)
+
+
+def _unpanel(w: Panels, lead: int, contracted: int) -> np.ndarray:
+    """A weight in panels back in its own layout [*lead, *in, *out] (through the loader's own view)."""
+    view = checkpoint._logical_view(np.asarray(w.data), lead, contracted)
+    return view.reshape(*view.shape[:-2], -1)
+
+
+@pytest.fixture(scope="module")
+def llama_panels(tmp_path_factory):  # all dense weights whole panels: head_dim 32, F 128, V 256 (64 a shard at tp 4)
+    path = tmp_path_factory.mktemp("llama_panels")
+    make_hf_checkpoint(path, "LlamaForCausalLM", tie_word_embeddings=False, hidden_size=128, num_attention_heads=4,
+                       intermediate_size=128, vocab_size=256)
+    return path
+
+
+@pytest.mark.parametrize("fixture", ["qwen2", "llama_panels"])
+@pytest.mark.parametrize("pp_rank,pp_size,tp", [(0, 1, 1), (1, 2, 2), (1, 2, 4)])
+def test_dense_weights_in_panels_hold_the_same_values(request, monkeypatch, fixture, pp_rank, pp_size, tp):
+    """Loaded in panels (in chunks that split tensors), each dense weight whose shards are whole panels holds
+    exactly the values of the plain load, sharded as the panel layout's logical axes say; the rest is unchanged."""
+    path = request.getfixturevalue(fixture)
+    _, _, _, plain = _load(path, pp_rank, pp_size, tp)
+    cfg = ModelConfig.from_pretrained(path)
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 3 * cfg.hidden_size * np.dtype(cfg.dtype).itemsize)
+    cfg, stage, mesh, packed = _load(path, pp_rank, pp_size, tp, panels=True)
+    specs = param_specs(cfg, stage, tp)
+    in_panels = {name for name, w in packed.items() if isinstance(w, Panels)}
+    if fixture == "llama_panels":  # all of them: nothing here keeps a dense weight out
+        assert in_panels == set(DENSE_WEIGHTS) & set(specs), in_panels
+    else:  # head_dim 16 and F 112 are no whole panels; o and down (E = 64) are
+        assert {"layers.o", "layers.down"} <= in_panels and not in_panels & {"layers.qkv", "layers.gate_up"}
+    for name, w in packed.items():
+        if name not in in_panels:
+            np.testing.assert_array_equal(np.asarray(w), np.asarray(plain[name]), err_msg=name)
+            continue
+        lead = 1 if name.startswith("layers.") else 0
+        spec = panel_spec(specs[name], lead, DENSE_WEIGHTS[name])
+        assert w.data.shape == spec.shape, name
+        want = logical_sharding(mesh, spec.logical_axes, RULES)
+        assert w.data.sharding.is_equivalent_to(want, w.data.ndim), name
+        np.testing.assert_array_equal(_unpanel(w, lead, DENSE_WEIGHTS[name]), np.asarray(plain[name]), err_msg=name)
 
 
 def test_embedding_rows_and_lm_head_columns_in_order(qwen2):

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 from hf_oracle import ARCHS, ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
 
+from pipejax.runner.model import Panels
+
 # pp x tp <= 8 on 8 simulated devices; pp=3 uses an explicit uneven partition of the 6 layers.
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (4, 1), (4, 2)]
 PARTITION = {3: "1,3,2"}
@@ -45,29 +47,51 @@ def test_logits_match_transformers(checkpoints, arch, pp, tp):
 
 # Decode rows attend with the CPU kernel ("cpu-kernel", the default here) or XLA's formulation (TPU, bf16); decode
 # steps run the layers unrolled over per-layer views of the weights (the default on CPU) or as a scan (elsewhere);
-# the 4-row decode steps' dots run on YNNPACK or XLA's own dot (``cpu_dots``: measured by default), both tested here.
-DECODE = {  # id: (pp, tp, chunk, attention, layers, dots)
-    "pp1tp1-eigen": (1, 1, None, "cpu-kernel", "unrolled", "eigen"),
-    "pp2tp2-chunk4-ynnpack": (2, 2, 4, "cpu-kernel", "unrolled", "ynnpack"),
-    "pp4tp2-chunk5-eigen": (4, 2, 5, "cpu-kernel", "unrolled", "eigen"),
-    "pp1tp1-xla-scan-ynnpack": (1, 1, None, "xla", "scan", "ynnpack"),
-    "pp2tp2-chunk4-xla-scan-eigen": (2, 2, 4, "xla", "scan", "eigen"),
+# their dense matmuls run on the CPU dense kernel over weights in panels (the default here) or on XLA's dot, whose
+# 4-row decode steps run on YNNPACK or XLA's own dot (``cpu_dots``: measured by default), all tested here.
+DECODE = {  # id: (pp, tp, chunk, attention, layers, dense matmuls (the kernel: tp = 1 only), dots)
+    "pp1tp1-eigen": (1, 1, None, "cpu-kernel", "unrolled", "xla", "eigen"),
+    "pp2tp1-chunk4-kernels": (2, 1, 4, "cpu-kernel", "unrolled", "cpu-kernel", "ynnpack"),
+    "pp2tp2-chunk4-ynnpack": (2, 2, 4, "cpu-kernel", "unrolled", "xla", "ynnpack"),
+    "pp4tp2-chunk5-eigen": (4, 2, 5, "cpu-kernel", "unrolled", "xla", "eigen"),
+    "pp1tp1-xla-scan-ynnpack": (1, 1, None, "xla", "scan", "xla", "ynnpack"),
+    "pp2tp2-chunk4-xla-scan-eigen": (2, 2, 4, "xla", "scan", "xla", "eigen"),
 }
 DECODE_CASES = [("LlamaForCausalLM", name) for name in DECODE] + [
     (arch, name) for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-    for name in ("pp2tp2-chunk4-ynnpack", "pp2tp2-chunk4-xla-scan-eigen")
+    for name in ("pp2tp1-chunk4-kernels", "pp2tp2-chunk4-xla-scan-eigen")
 ]
 
 
 @pytest.mark.parametrize("arch,case", DECODE_CASES, ids=[f"{a}-{c}" for a, c in DECODE_CASES])
 def test_greedy_decode_matches_generate(checkpoints, arch, case):
-    pp, tp, chunk, attention, layers, dots = DECODE[case]
+    pp, tp, chunk, attention, layers, dense, dots = DECODE[case]
     path, model = checkpoints(arch)
     expected = hf_greedy(model, PROMPTS, 32)
     stages = ChainedStages(path, pp, tp, num_blocks=80, decode_attention=attention, decode_layers=layers,
-                           few_row_dots=dots)
-    assert [(s.decode_attention, s.decode_layers, s.few_row_dots) for s in stages.stages] == [
-        (attention, layers, dots)] * pp
+                           dense_matmuls=dense, few_row_dots=dots)
+    assert [(s.decode_attention, s.decode_layers, s.dense_matmuls, s.few_row_dots) for s in stages.stages] == [
+        (attention, layers, dense, dots)] * pp
+    assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
+
+
+# Every dense weight a whole number of panels (head_dim 32, F 128, V 256): decode steps' matmuls all run on the
+# CPU dense kernel over them (tp = 1); "xla" keeps the weights' own layout.
+PANEL_FRIENDLY = dict(hidden_size=128, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+                      tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("pp,tp,chunk,dense", [(1, 1, None, "cpu-kernel"), (2, 1, 4, "cpu-kernel"),
+                                               (1, 1, 4, "xla")], ids=["pp1tp1-kernel", "pp2tp1-chunk4", "pp1tp1-xla"])
+def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense):
+    model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY)
+    expected = hf_greedy(model, PROMPTS, 32)
+    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense)
+    assert [s.dense_matmuls for s in stages.stages] == [dense] * pp
+    layers = ["layers.down", "layers.gate_up", "layers.o", "layers.qkv"] if dense == "cpu-kernel" else []
+    for s in stages.stages:  # every dense weight in panels where the kernel runs; none otherwise
+        want = sorted(layers + ["lm_head"] * (dense == "cpu-kernel" and s.stage.is_last))
+        assert sorted(n for n, w in s.params.items() if isinstance(w, Panels)) == want
     assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
 
 

@@ -5,7 +5,8 @@ Only the tensors the stage owns are read (memory-mapped), one parameter at a tim
 chunks of at most ``CHUNK_BYTES``; every chunk is converted to the runner's layout and written into
 the parameter's per-device shards, and its pages are released before the next is read. So no
 process ever holds the full model, nor any tensor twice: besides the stage's own parameters, a
-load holds one chunk (on the CPU backend the filled shard buffers become the device buffers).
+load holds one chunk (on the CPU backend the filled shard buffers become the device buffers). On float32
+CPU stages the dense weights are written straight into panels (``model.Panels``), chunk by chunk, too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -24,7 +26,16 @@ from jax.sharding import Mesh
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import CheckpointError
-from pipejax.runner.model import RULES, kv_heads_for_tp, param_specs
+from pipejax.runner.model import (
+    DENSE_WEIGHTS,
+    LAYER_PREFIX,
+    PANEL,
+    RULES,
+    Panels,
+    kv_heads_for_tp,
+    panel_spec,
+    param_specs,
+)
 
 __all__ = ["CheckpointError", "SafetensorsIndex", "load_stage_params", "open_checkpoint"]
 
@@ -126,6 +137,12 @@ class SafetensorsIndex:
 Converter = Callable[[np.ndarray, int, int], tuple[tuple[slice, ...], np.ndarray]]
 
 
+def _panel_rows(n: int) -> int:
+    """Rows per chunk unit of an HF tensor whose rows become a weight's last output dim: whole panels
+    (``model.PANEL``) where they can be, so that a chunk lands on whole panels."""
+    return PANEL if n % PANEL == 0 else 1
+
+
 # Where a runner parameter's values come from: (HF name template, HF shape, rows per unit, rows of HF -> runner layout).
 Source = tuple[str, tuple[int, ...], int, Converter]
 
@@ -169,6 +186,7 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[Source, ...]
         return (slice(None), slice(None), slice(r0, r1)), w.T.reshape(H, D, r1 - r0)
 
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    e_rows, f_rows = _panel_rows(E), _panel_rows(F)  # chunks of whole panels of a weight's output columns
     table = {
         "input_norm": (("model.layers.{i}.input_layernorm.weight", (E,), whole, same),),
         "qkv": (
@@ -176,10 +194,11 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[Source, ...]
             (attn + "k_proj.weight", (K0 * D, E), D, kv_slot(G)),
             (attn + "v_proj.weight", (K0 * D, E), D, kv_slot(G + 1)),
         ),
-        "o": ((attn + "o_proj.weight", (E, H * D), 1, o_proj),),
+        "o": ((attn + "o_proj.weight", (E, H * D), e_rows, o_proj),),
         "post_norm": (("model.layers.{i}.post_attention_layernorm.weight", (E,), whole, same),),
-        "gate_up": ((mlp + "gate_proj.weight", (F, E), 1, half(0)), (mlp + "up_proj.weight", (F, E), 1, half(1))),
-        "down": ((mlp + "down_proj.weight", (E, F), 1, transpose),),
+        "gate_up": ((mlp + "gate_proj.weight", (F, E), f_rows, half(0)),
+                    (mlp + "up_proj.weight", (F, E), f_rows, half(1))),
+        "down": ((mlp + "down_proj.weight", (E, F), e_rows, transpose),),
     }
     if cfg.qkv_bias:
         table["q_bias"] = ((attn + "q_proj.bias", (H * D,), whole, bias(H)),)
@@ -236,7 +255,7 @@ def _host_params(
     if stage.has_embedding(cfg):
         yield "embed", _chunks(ckpt, "model.embed_tokens.weight", (V, E), 1, rows)
     if stage.is_last and not cfg.tie_word_embeddings:
-        yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), 1, columns)
+        yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), _panel_rows(V), columns)
     layers = stage.layer_range(cfg)
     for name, sources in _hf_layer_tensors(cfg, tp).items():
         pieces = (
@@ -267,15 +286,45 @@ def _bounds(where: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int,
     return [(where[d] if d < len(where) else slice(None)).indices(n)[:2] for d, n in enumerate(shape)]
 
 
-def _place(name: str, pieces: Iterator[Piece], shape: tuple[int, ...], dtype: np.dtype, sharding) -> jax.Array:
+def _panel_shape(shape: tuple[int, ...], lead: int, contracted: int) -> tuple[int, ...]:
+    """A dense weight's shape [*lead, *in, *out] in panels: [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL]."""
+    ins, outs = shape[lead : lead + contracted], shape[lead + contracted :]
+    return (*shape[:lead], *outs[:-1], outs[-1] // PANEL, *ins, PANEL)
+
+
+def _logical_view(panels: np.ndarray, lead: int, contracted: int) -> np.ndarray:
+    """``panels`` (``_panel_shape``) viewed as [*lead, *in, *out[:-1], out[-1] / PANEL, PANEL]: the weight's own
+    layout with its last dim split in panels, so that a piece of the weight is written where it belongs."""
+    outs = panels.ndim - lead - contracted - 1
+    ins = range(lead + outs, lead + outs + contracted)
+    return panels.transpose((*range(lead), *ins, *range(lead, lead + outs), panels.ndim - 1))
+
+
+def _place(
+    name: str,
+    pieces: Iterator[Piece],
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sharding,
+    panels: tuple[int, int, Any] | None = None,
+) -> jax.Array:
     """Assemble a parameter on its devices from ``pieces``, one piece in flight at a time.
 
     Each device's shard is filled in a host buffer and then handed to the device: on CPU that
-    buffer becomes the device buffer (no copy), elsewhere it is copied and dropped.
+    buffer becomes the device buffer (no copy), elsewhere it is copied and dropped. ``panels``: (lead dims,
+    contracted dims, the panel layout's sharding) of a dense weight to store in panels (``model.Panels``): each
+    shard is filled straight into that layout.
     """
     indices = sharding.addressable_devices_indices_map(shape)
     shards = {device: _bounds(index, shape) for device, index in indices.items()}
-    buffers = {device: _page_aligned_empty(tuple(b - a for a, b in box), dtype) for device, box in shards.items()}
+    local = {device: tuple(b - a for a, b in box) for device, box in shards.items()}
+    if panels is None:
+        buffers = {device: _page_aligned_empty(s, dtype) for device, s in local.items()}
+        targets = buffers
+    else:
+        lead, contracted, _ = panels
+        buffers = {device: _page_aligned_empty(_panel_shape(s, lead, contracted), dtype) for device, s in local.items()}
+        targets = {device: _logical_view(b, lead, contracted) for device, b in buffers.items()}
     filled = dict.fromkeys(shards, 0)
     for where, values in pieces:
         piece = _bounds(where, shape)
@@ -286,13 +335,21 @@ def _place(name: str, pieces: Iterator[Piece], shape: tuple[int, ...], dtype: np
                 continue
             into_shard = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(common, box, strict=True))
             into_piece = tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(common, piece, strict=True))
-            buffers[device][into_shard] = values[into_piece]
+            part = values[into_piece]
+            if panels is not None:  # the last dim in whole panels (chunks and shards are cut on panel bounds)
+                lo, hi = into_shard[-1].start, into_shard[-1].stop
+                assert lo % PANEL == 0 and hi % PANEL == 0, (name, lo, hi)
+                into_shard = (*into_shard[:-1], slice(lo // PANEL, hi // PANEL))
+                part = part.reshape(*part.shape[:-1], -1, PANEL)
+            targets[device][into_shard] = part
             filled[device] += int(np.prod([hi - lo for lo, hi in common]))
         del values  # the chunk can go before the next one is read
     for device, buffer in buffers.items():  # every element written (the buffers start uninitialised)
         assert filled[device] == buffer.size, (name, device, filled[device], buffer.size)
     arrays = [jax.device_put(buffer, device, may_alias=True) for device, buffer in buffers.items()]
-    del buffers
+    del buffers, targets
+    if panels is not None:
+        shape, sharding = _panel_shape(shape, panels[0], panels[1]), panels[2]
     out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     out.block_until_ready()
     return out
@@ -306,17 +363,44 @@ def open_checkpoint(path: str | Path) -> SafetensorsIndex:
     return gguf_file.GGUFIndex(path) if gguf_file.find_gguf(path) is not None else SafetensorsIndex(path)
 
 
-def load_stage_params(path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh) -> dict[str, jax.Array]:
-    """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis)."""
+def _panels_for(name: str, spec, sharding, mesh: Mesh) -> tuple[int, int, Any] | None:
+    """How ``name`` is stored in panels on ``mesh`` (``_place``'s ``panels``), or None to keep its own layout: a
+    dense weight whose last dim, in every shard, is whole panels."""
+    if name not in DENSE_WEIGHTS:
+        return None
+    lead, contracted = (1 if name.startswith(LAYER_PREFIX) else 0), DENSE_WEIGHTS[name]
+    packed = panel_spec(spec, lead, contracted)
+    boxes = sharding.devices_indices_map(tuple(spec.shape)).values()
+    if packed is None or any(_bounds(box, tuple(spec.shape))[-1][0] % PANEL for box in boxes):
+        return None
+    return lead, contracted, logical_sharding(mesh, packed.logical_axes, RULES)
+
+
+def use_panels(mesh: Mesh, cfg: ModelConfig) -> bool:
+    """Whether a stage on ``mesh`` stores its dense weights in panels by default: where the CPU dense kernel
+    runs its decode steps' matmuls, on one CPU device in float32. (XLA's dot reads panels at a prefill's rate but
+    not at a decode step's: with tp > 1, where XLA's sharded dots run, the weights keep their own layout.)"""
+    return mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu" and cfg.dtype == "float32"
+
+
+def load_stage_params(
+    path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh, panels: bool | None = None
+) -> dict[str, jax.Array | Panels]:
+    """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis). ``panels``: store the dense
+    weights in panels (``model.Panels``); None: where ``use_panels`` says so."""
     tp = mesh.shape["tp"]
     specs = param_specs(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
+    panels = use_panels(mesh, cfg) if panels is None else panels
     params = {}
     with open_checkpoint(path) as ckpt:
         for name, pieces in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
             sharding = logical_sharding(mesh, spec.logical_axes, RULES)
-            params[name] = _place(name, pieces, tuple(spec.shape), dtype, sharding)
+            layout = _panels_for(name, spec, sharding, mesh) if panels else None
+            params[name] = _place(name, pieces, tuple(spec.shape), dtype, sharding, layout)
+            if layout is not None:
+                params[name] = Panels(params[name])
     missing = set(specs) - set(params)
     assert not missing, missing
     log.info(

@@ -17,10 +17,8 @@ Used only on CPU, for float32 caches (with tp > 1, each device runs it on its ow
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib.util
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +28,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import TP_AXIS
+from pipejax.runner.cpu_kernels import build_and_register
 from pipejax.runner.model import decode_attention
-
-log = logging.getLogger(__name__)
 
 TARGET = "pipejax_paged_decode_attention"
 
@@ -42,32 +39,11 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _build() -> Any:
-    """The handler over numba's threads on TBB; where TBB cannot be loaded, on the calling thread."""
-    from pipejax.runner import cpu_decode_kernel
-
-    try:
-        return cpu_decode_kernel.compile_handler(parallel=True)
-    except Exception as e:  # noqa: BLE001 - no usable TBB: the kernel still runs, on one thread
-        log.warning("the CPU decode-attention kernel runs on one thread: its parallel build failed (%s: %s)",
-                    type(e).__name__, e)
-        return cpu_decode_kernel.compile_handler(parallel=False)
-
-
 @functools.cache
 def _handler() -> Any:
-    """Build and register the handler once; None (with a warning) where numba cannot build it."""
-    try:
-        handler = _build()
-    except Exception as e:  # noqa: BLE001 - a numba/LLVM that cannot build it: XLA's formulation stays
-        log.warning("the CPU decode-attention kernel could not be built (%s: %s); using XLA's formulation",
-                    type(e).__name__, e)
-        return None
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    jax.ffi.register_ffi_target(TARGET, new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None), "cpu")
-    return handler  # cached: the compiled code lives as long as the process
+    """Build and register the handler once (cached: it lives as long as the process); None (with a warning)
+    where numba cannot build it."""
+    return build_and_register(TARGET, "pipejax.runner.cpu_decode_kernel", "decode-attention", "XLA's formulation")
 
 
 def prepare() -> bool:

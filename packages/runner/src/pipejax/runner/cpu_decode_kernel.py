@@ -2,41 +2,21 @@
 is the JAX side). Imported only when a CPU stage first traces a decode step, so that neither numba nor
 LLVM is loaded anywhere else, and the compile lands with the step's own compiles, not with the loading.
 
-The handler speaks XLA's typed FFI C ABI (``xla/ffi/api/c_api.h`` in jaxlib's headers) directly: it reads
-the call frame's buffers by their field offsets, answers XLA's metadata query, and returns null (success).
+The handler speaks XLA's typed FFI C ABI directly (``cpu_ffi``): it reads the call frame's buffers, answers
+XLA's metadata query, and returns null (success).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic
 
-# Byte offsets / 8 of the int64 fields read from XLA's FFI structs (64-bit layout of c_api.h).
-_FRAME_EXTENSION, _FRAME_STAGE, _FRAME_ARGS, _FRAME_RETS = 1, 4, 9, 14  # XLA_FFI_CallFrame
-_BUFFER_DATA, _BUFFER_RANK, _BUFFER_DIMS = 3, 4, 5  # XLA_FFI_Buffer
-_EXTENSION_TYPE, _EXTENSION_METADATA = 1, 3  # XLA_FFI_Metadata_Extension: type, then XLA_FFI_Metadata*
-_METADATA_MAJOR, _METADATA_MINOR, _METADATA_TRAITS = 6, 7, 8  # int32 fields of XLA_FFI_Metadata
-_FFI_API = (0, 3)  # XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR of jaxlib 0.10.2's headers
-_STAGE_EXECUTE, _EXTENSION_IS_METADATA = 3, 1
+from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+
 _ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
-
-
-@intrinsic
-def _ptr(typingctx, addr):
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
-
-    return types.voidptr(types.int64), codegen
-
-
-@numba.njit(inline="always")
-def _int64s(addr, n):
-    return numba.carray(_ptr(addr), (n,), np.int64)
 
 
 # Tasks a parallel call makes at least (where the rows' KV heads allow). A constant, not numba's thread count:
@@ -137,36 +117,17 @@ def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, w
 
 
 @numba.njit(inline="always")
-def _buffer(args, i):
-    buf = _int64s(args[i], 6)
-    return _ptr(buf[_BUFFER_DATA]), _int64s(buf[_BUFFER_DIMS], buf[_BUFFER_RANK])
-
-
-@numba.njit(inline="always")
-def _answered(frame) -> bool:
-    """Whether this call is not an execution (XLA asking for metadata, or another stage): answered here."""
-    if frame[_FRAME_EXTENSION] != 0:  # XLA asking for the handler's metadata, not running it
-        ext = _int64s(frame[_FRAME_EXTENSION], 4)
-        if (ext[_EXTENSION_TYPE] & 0xFFFFFFFF) == _EXTENSION_IS_METADATA:
-            meta = numba.carray(_ptr(ext[_EXTENSION_METADATA]), (10,), np.int32)
-            meta[_METADATA_MAJOR], meta[_METADATA_MINOR], meta[_METADATA_TRAITS] = _FFI_API[0], _FFI_API[1], 0
-            return True
-    return (frame[_FRAME_STAGE] & 0xFFFFFFFF) != _STAGE_EXECUTE
-
-
-@numba.njit(inline="always")
 def _operands(frame):
     """The call's buffers as the arguments of ``_attend``."""
-    args = _int64s(frame[_FRAME_ARGS], _ARGS)
-    rets = _int64s(frame[_FRAME_RETS], 1)
-    q_data, q_dims = _buffer(args, 0)
-    k_data, k_dims = _buffer(args, 1)
-    v_data, _ = _buffer(args, 2)
-    layer_data, _ = _buffer(args, 3)
-    t_data, t_dims = _buffer(args, 4)
-    pos_data, _ = _buffer(args, 5)
-    window_data, _ = _buffer(args, 6)
-    out_data, _ = _buffer(rets, 0)
+    args, rets = arguments(frame, _ARGS)
+    q_data, q_dims = buffer(args, 0)
+    k_data, k_dims = buffer(args, 1)
+    v_data, _ = buffer(args, 2)
+    layer_data, _ = buffer(args, 3)
+    t_data, t_dims = buffer(args, 4)
+    pos_data, _ = buffer(args, 5)
+    window_data, _ = buffer(args, 6)
+    out_data, _ = buffer(rets, 0)
     q_shape = (q_dims[0], q_dims[1], q_dims[2])
     k_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
     k_size = k_dims[0] * k_dims[1] * k_dims[2] * k_dims[3] * k_dims[4]
@@ -184,39 +145,17 @@ def _operands(frame):
 
 
 def _handler(frame_addr):  # compiled by compile_handler; returns null: success
-    frame = _int64s(frame_addr, 15)
-    if not _answered(frame):
+    frame = frame_of(frame_addr)
+    if not answered(frame):
         _attend(*_operands(frame))
-    return _ptr(0)
+    return ptr(0)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
-    frame = _int64s(frame_addr, 15)
-    if not _answered(frame):
+    frame = frame_of(frame_addr)
+    if not answered(frame):
         _attend_parallel(*_operands(frame))
-    return _ptr(0)
-
-
-def _use_tbb() -> None:
-    """Make numba's parallel loops run on TBB from the ``tbb`` wheel: the one threading layer of numba that is
-    safe when several threads launch parallel loops at once (in-process pipeline stages do), and that needs no
-    system library. The wheel puts libtbb in the environment's lib folder, off the loader's path, so it is
-    loaded here by its full path before numba's TBB pool asks for it by name."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        dist = distribution("tbb")
-    except PackageNotFoundError as e:
-        raise RuntimeError("the tbb package is not installed") from e
-    libs = [f for f in dist.files or () if f.name == "libtbb.so.12"]
-    if not libs:
-        raise RuntimeError(f"the tbb package {dist.version} has no libtbb.so.12")
-    ctypes.CDLL(str(dist.locate_file(libs[0])), mode=ctypes.RTLD_GLOBAL)
-    numba.config.THREADING_LAYER = "tbb"
-    # Start the pool now: a handler loaded from numba's cache does not, and would crash on its first call.
-    numba.get_num_threads()
-    if numba.threading_layer() != "tbb":
-        raise RuntimeError(f"numba's threading layer is {numba.threading_layer()!r}, not 'tbb'")
+    return ptr(0)
 
 
 def compile_handler(parallel: bool = False):
@@ -224,5 +163,5 @@ def compile_handler(parallel: bool = False):
     the first time, about 1 s after). Keep the returned object alive as long as XLA may call it.
     ``parallel``: spread the rows over numba's threads on TBB (raises where TBB cannot be loaded)."""
     if parallel:
-        _use_tbb()
+        use_tbb()
     return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipejax.runner.model import LAYER_PREFIX, stacked_layers
+from pipejax.runner.model import LAYER_PREFIX, Panels, stacked_layers
 
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
 # bytes the CPU backend needs to adopt it); a larger one that is not aliased is an error, not a second copy.
@@ -38,10 +38,14 @@ def _layers_of(w: jax.Array) -> list[jax.Array]:
     return [jax.make_array_from_single_device_arrays(w.shape[1:], sharding, arrays) for arrays in layers]
 
 
-def per_layer(params: dict[str, jax.Array]) -> dict:
+def _layers(w: jax.Array | Panels) -> list:
+    return [Panels(v) for v in _layers_of(w.data)] if isinstance(w, Panels) else _layers_of(w)
+
+
+def per_layer(params: dict[str, jax.Array | Panels]) -> dict:
     """``params`` with its stacked ``layers.*`` weights replaced by ``"layers"``: one dict per layer of arrays
     aliasing them (CPU devices only; raises where a layer larger than ``MAX_COPIED_BYTES`` would be copied)."""
-    views = {name: _layers_of(w) for name, w in stacked_layers(params).items()}
+    views = {name: _layers(w) for name, w in stacked_layers(params).items()}
     num_layers = len(next(iter(views.values())))
     out = {name: w for name, w in params.items() if not name.startswith(LAYER_PREFIX)}
     out["layers"] = [{name: arrays[i] for name, arrays in views.items()} for i in range(num_layers)]

@@ -32,6 +32,51 @@ class ParamSpec:
     logical_axes: tuple[str | None, ...]
 
 
+# --- dense weights in panels (CPU) ------------------------------------------------------------
+# On CPU stages the dense weights are stored in panels of PANEL output columns: a weight [*lead, *in, *out]
+# as [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL], so that a matmul streams each panel's columns for
+# every input row from contiguous memory (``cpu_dense_kernel``): at a decode step's few rows far faster than
+# XLA's dot reads a row-major weight. Over a prefill's many rows XLA's dot reads either layout at the same rate.
+PANEL = 32
+# The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
+DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
+
+
+@jax.tree_util.register_pytree_node_class
+class Panels:
+    """A dense weight stored in panels (see PANEL); ``data`` is the array. A pytree node, so a layer scan or
+    per-layer views slice ``data`` as they would the weight itself."""
+
+    def __init__(self, data: jax.Array):
+        self.data = data
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def tree_flatten(self):
+        return (self.data,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def panel_spec(spec: ParamSpec, lead: int, contracted: int) -> ParamSpec | None:
+    """``spec`` of a dense weight ([*lead, *in, *out]: ``lead`` leading dims, ``contracted`` input dims) as
+    panels, or None where its last output dim is not a whole number of panels."""
+    shape, axes = spec.shape, spec.logical_axes
+    if shape[-1] % PANEL:
+        return None
+    ins, outs = slice(lead, lead + contracted), slice(lead + contracted, None)
+    return ParamSpec((*shape[:lead], *shape[outs][:-1], shape[-1] // PANEL, *shape[ins], PANEL),
+                     (*axes[:lead], *axes[outs], *axes[ins], None))
+
+
 def kv_heads_for_tp(cfg: ModelConfig, tp: int) -> int:
     """KV heads after replication: with tp > num_kv_heads each device holds one (repeated) KV head."""
     if cfg.num_heads % tp:
@@ -184,9 +229,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
-def mlp(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    gate_up = jnp.einsum("te,ecf->tcf", x, p["gate_up"])  # [T, 2, F]
-    return jnp.einsum("tf,fe->te", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down"])  # [T, E]
+def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None) -> jax.Array:
+    """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
+    with panels [out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in panels."""
+    if not isinstance(w, Panels):
+        return jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
+    data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL]
+    outs = data.shape[: data.ndim - contracted - 1]
+    out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
+    if kernel is not None:
+        flat = x.reshape(x.shape[0], -1)  # [T, Kc]
+        return kernel(flat, data.reshape(-1, flat.shape[1], PANEL)).reshape(out_shape)
+    ins = tuple(range(len(outs), len(outs) + contracted))
+    y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
+    return y.reshape(out_shape)
+
+
+def mlp(x: jax.Array, p: dict[str, jax.Array], dense_kernel: Callable | None = None) -> jax.Array:
+    gate_up = dense(x, p["gate_up"], 1, dense_kernel)  # [T, 2, F]
+    return dense(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down"], 1, dense_kernel)  # [T, E]
 
 
 # --- paged attention over one ragged batch ----------------------------------------------------
@@ -319,9 +380,10 @@ def attention(
     shape: StepShape,
     block_size: int,
     decode_kernel: Callable | None = None,
+    dense_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    G = p["qkv"].shape[-2] - 2  # query heads per KV head
-    qkv = jnp.einsum("te,ekgd->tkgd", x, p["qkv"])  # [T, K, G + 2, D]
+    qkv = dense(x, p["qkv"], 1, dense_kernel)  # [T, K, G + 2, D]
+    G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
     k, v = qkv[:, :, G], qkv[:, :, G + 1]  # [T, K, D]
     if cfg.qkv_bias:
@@ -335,10 +397,11 @@ def attention(
     out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel)
     # (h, d) contracted in the weight's memory order: jnp.einsum orders them (d, h), and XLA then copies o
     # transposed every step (a scan's dynamic slice hides that copy; per-layer views do not).
-    return jax.lax.dot_general(out, p["o"], (((1, 2), (0, 1)), ((), ()))), k_cache, v_cache
+    return dense(out, p["o"], 2, dense_kernel), k_cache, v_cache
 
 
-def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None):
+def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None,
+                  dense_kernel=None):
     h, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
         p,
@@ -351,9 +414,10 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, bloc
         shape,
         block_size,
         decode_kernel,
+        dense_kernel,
     )
     x = x + h
-    x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p)
+    x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p, dense_kernel)
     return x, k_cache, v_cache
 
 
@@ -371,20 +435,26 @@ def stage_forward(
     shape: StepShape,
     block_size: int,
     decode_kernel: Callable | None = None,
+    dense_kernel: Callable | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
     ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
     weights replaced by ``"layers"``: a list of per-layer dicts (``layer_views.per_layer``), read in turn.
-    ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``)."""
+    ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``).
+    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``), for decode steps."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
 
+    if shape.prefill_rows:  # XLA's dot, at its full rate over a prefill's many rows, reads weights in panels too
+        dense_kernel = None
+
     def layer(carry, p, idx):
         x, k_all, v_all = carry
-        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel)
+        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel,
+                             dense_kernel)
 
     carry = (x, *kv_cache)
     if "layers" in params:  # one array per layer and weight (``layer_views.per_layer``): the layers in turn
@@ -399,6 +469,6 @@ def stage_forward(
         return x, (k_all, v_all)
     x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
-    logits = jnp.einsum("re,ev->rv", x, head).astype(jnp.float32)
+    logits = dense(x, head, 1, dense_kernel).astype(jnp.float32)
     return logits, (k_all, v_all)
 

@@ -12,8 +12,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
-from pipejax.runner import cpu_decode_attention, cpu_dots, layer_views
+from pipejax.runner import cpu_decode_attention, cpu_dense, cpu_dots, layer_views
 from pipejax.runner.batch import ModelBatch, SamplerOutput
+from pipejax.runner.checkpoint import load_stage_params, use_panels
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
@@ -49,6 +50,7 @@ class StageRunner:
         decode_attention: str = "auto",
         decode_layers: str = "auto",
         few_row_dots: str = "auto",
+        dense_matmuls: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -64,7 +66,12 @@ class StageRunner:
         )
         self.seed = seed
         self.impl = get_model_impl(model_impl)
-        self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
+        self.dense_matmuls = self._choose_dense_matmuls(dense_matmuls)
+        if self.impl is NATIVE:
+            self.params = load_stage_params(self.model_path, self.cfg, stage, mesh,
+                                            panels=self.dense_matmuls == "cpu-kernel")
+        else:
+            self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
         self.compiled_shapes: set[tuple] = set()
         self.num_blocks = 0
         self.kv_cache: tuple[jax.Array, jax.Array] | None = None
@@ -73,6 +80,8 @@ class StageRunner:
         self.decode_attention = self._choose_decode_attention(decode_attention)
         if self.decode_attention == "cpu-kernel":
             forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
+        if self.dense_matmuls == "cpu-kernel":
+            forward = functools.partial(forward, dense_kernel=cpu_dense.for_mesh(mesh))
         self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
                                            out_shardings=(self._replicated, self._cache_shardings()))
         self._step = self._jit_step()
@@ -88,18 +97,28 @@ class StageRunner:
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
 
+    def _kernel_or_xla(self, option: str, wanted: str, fits: bool, needs: str) -> str:
+        """"cpu-kernel" or "xla" for ``option=wanted``: "auto" takes the kernel where it ``fits``; asking for it
+        where it does not is an error that says what it ``needs`` and what is here."""
+        if wanted not in ("auto", "xla", "cpu-kernel"):
+            raise ValueError(f"{option}={wanted!r}; use 'auto', 'xla' or 'cpu-kernel'")
+        if wanted == "cpu-kernel" and not fits:
+            here = (f"{self.impl.name!r}, {self.mesh.devices.size} {self.mesh.devices.flat[0].platform} device(s), "
+                    f"{self.cfg.dtype}, numba {'installed' if cpu_decode_attention.available() else 'missing'}")
+            raise ValueError(f"{option}='cpu-kernel' needs {needs} and numba (here: {here}); use 'auto'")
+        return "cpu-kernel" if wanted != "xla" and fits else "xla"
+
     def _choose_decode_attention(self, wanted: str) -> str:
         """"cpu-kernel" or "xla" (the model implementation's own, for non-native ones) for ``wanted``."""
-        if wanted not in ("auto", "xla", "cpu-kernel"):
-            raise ValueError(f"decode_attention={wanted!r}; use 'auto', 'xla' or 'cpu-kernel'")
         fits = self.impl is NATIVE and cpu_decode_attention.usable(self.cfg.dtype, list(self.mesh.devices.flat))
-        if wanted == "cpu-kernel" and not fits:
-            raise ValueError(
-                f"decode_attention='cpu-kernel' needs the native model implementation, CPU devices, float32 and "
-                f"numba (here: {self.impl.name!r}, {self.mesh.devices.flat[0].platform} devices, {self.cfg.dtype}, "
-                f"numba {'installed' if cpu_decode_attention.available() else 'missing'}); use 'auto'"
-            )
-        return "cpu-kernel" if wanted != "xla" and fits else "xla"
+        return self._kernel_or_xla("decode_attention", wanted, fits,
+                                   "the native model implementation, CPU devices, float32")
+
+    def _choose_dense_matmuls(self, wanted: str) -> str:
+        """"cpu-kernel" (dense weights in panels, decode steps' matmuls by ``cpu_dense``) or "xla" for ``wanted``."""
+        fits = self.impl is NATIVE and use_panels(self.mesh, self.cfg) and cpu_decode_attention.available()
+        return self._kernel_or_xla("dense_matmuls", wanted, fits,
+                                   "the native model implementation, one CPU device per stage (tp = 1), float32")
 
     def _choose_decode_layers(self, wanted: str) -> str:
         """How a decode step runs the stage's layers: "unrolled" over per-layer views of the weights (CPU
@@ -218,7 +237,9 @@ class StageRunner:
             )
         unrolled = self._decode_params is not None and not shape.prefill_rows
         params = self._decode_params if unrolled else self.params
-        step = self._few_row_step if cpu_dots.few_rows(shape) else self._step
+        # (with the dense kernel a decode step's dots are not XLA's: nothing to choose between)
+        few_rows = self.dense_matmuls == "xla" and cpu_dots.few_rows(shape)
+        step = self._few_row_step if few_rows else self._step
         out, self.kv_cache = step(params, self._require_cache(), inputs, hidden_in, shape=shape)
         return out
 

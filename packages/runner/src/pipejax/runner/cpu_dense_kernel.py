@@ -1,0 +1,170 @@
+"""The CPU dense-matmul kernel itself: numba code behind an XLA FFI handler (``cpu_dense`` is the JAX side).
+Imported only when a CPU stage first traces a decode step, like ``cpu_decode_kernel``.
+
+``x [M, Kc] @ w -> [M, N]`` for a weight stored in panels (``model.Panels``: [N / 32, Kc, 32], each panel's
+32 output columns contiguous for every input row). The weight streams from memory in order, one panel at a
+time; each panel is read from L1/L2 by every tile of rows, whose 8 x 32 outputs stay in 16 AVX-512
+registers over the whole contraction (the microkernel below is LLVM IR: numba's own loops would keep them in
+memory). XLA:CPU's dot reads a row-major [Kc, N] weight in short strided runs instead, and at 64 rows it runs
+at about 70% of its own square-matmul rate (BENCHMARKS.md, decode section).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+
+LANES = 16  # float32 lanes of an AVX-512 register
+PANEL = 2 * LANES  # output columns per panel: two registers per row of a tile
+ROW_TILES = (8, 4, 2, 1)  # rows per microkernel call: 8 rows x 2 registers = 16 accumulators
+
+
+def _microkernel(rows: int):
+    """An intrinsic ``(x, ldx, w, out, ldo, kc)`` (addresses, strides in floats): ``out[r, :32] = sum_k x[r, k]
+    * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]."""
+
+    @intrinsic
+    def kernel(typingctx, x, ldx, w, out, ldo, kc):
+        sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            x_addr, ldx, w_addr, out_addr, ldo, kc = args
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+            vec = ir.VectorType(f32, LANES)
+            module = builder.module
+            name = f"llvm.fma.v{LANES}f32"
+            fma = module.globals.get(name) or ir.Function(module, ir.FunctionType(vec, [vec] * 3), name=name)
+            x0, w0, out0 = (builder.inttoptr(a, f32.as_pointer()) for a in (x_addr, w_addr, out_addr))
+            zero, undef = ir.Constant(vec, [0.0] * LANES), ir.Constant(vec, ir.Undefined)
+            splat = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+            entry, loop = builder.block, builder.function.append_basic_block("panel.loop")
+            done = builder.function.append_basic_block("panel.done")
+            builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
+
+            builder.position_at_end(loop)  # one input row k: 2 weight registers, `rows` broadcasts, 2 FMAs each
+            k = builder.phi(i64)
+            acc = [builder.phi(vec) for _ in range(2 * rows)]
+            w_row = builder.gep(w0, [builder.mul(k, ir.Constant(i64, PANEL))])
+            halves = [builder.load(builder.bitcast(builder.gep(w_row, [ir.Constant(i64, LANES * h)]),
+                                                   vec.as_pointer()), align=4) for h in range(2)]
+            new = []
+            for r in range(rows):
+                xr = builder.load(builder.gep(x0, [builder.add(builder.mul(ir.Constant(i64, r), ldx), k)]))
+                xv = builder.shuffle_vector(builder.insert_element(undef, xr, ir.Constant(i32, 0)), undef, splat)
+                new += [builder.call(fma, [xv, halves[h], acc[2 * r + h]]) for h in range(2)]
+            k_next, tail = builder.add(k, ir.Constant(i64, 1)), builder.block
+            k.add_incoming(ir.Constant(i64, 0), entry)
+            k.add_incoming(k_next, tail)
+            for a, n in zip(acc, new, strict=True):
+                a.add_incoming(zero, entry)
+                a.add_incoming(n, tail)
+            builder.cbranch(builder.icmp_signed("<", k_next, kc), loop, done)
+
+            builder.position_at_end(done)
+            sums = []
+            for n in new:
+                s = builder.phi(vec)
+                s.add_incoming(zero, entry)
+                s.add_incoming(n, tail)
+                sums.append(s)
+            for r in range(rows):
+                for h in range(2):
+                    at = builder.add(builder.mul(ir.Constant(i64, r), ldo), ir.Constant(i64, LANES * h))
+                    builder.store(sums[2 * r + h], builder.bitcast(builder.gep(out0, [at]), vec.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return kernel
+
+
+_ROWS_8, _ROWS_4, _ROWS_2, _ROWS_1 = (_microkernel(r) for r in ROW_TILES)
+
+
+@numba.njit(inline="always")
+def _panel(x_addr, kc, w_addr, out_addr, n, m):
+    """All ``m`` rows of one panel: tiles of 8 rows, then 4, 2 and 1 for the rest."""
+    i = 0
+    while i + 8 <= m:
+        _ROWS_8(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        i += 8
+    if i + 4 <= m:
+        _ROWS_4(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        i += 4
+    if i + 2 <= m:
+        _ROWS_2(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        i += 2
+    if i < m:
+        _ROWS_1(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+
+
+@numba.njit(cache=True)
+def _matmul(x_addr, w_addr, out_addr, m, kc, panels):
+    """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32], on the calling thread."""
+    n = panels * PANEL
+    for p in range(panels):
+        _panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m)
+
+
+@numba.njit(cache=True, parallel=True)
+def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels):
+    """The same with the panels spread over numba's threads (TBB)."""
+    n = panels * PANEL
+    for p in numba.prange(panels):
+        _panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m)
+
+
+@intrinsic
+def _addr(typingctx, p):
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return types.int64(types.voidptr), codegen
+
+
+@numba.njit(inline="always")
+def _operands(frame):
+    """x's address, w's, out's; rows, contraction and panels (x [M, Kc], w [P, Kc, PANEL])."""
+    args, rets = arguments(frame, 2)
+    x_data, x_dims = buffer(args, 0)
+    w_data, w_dims = buffer(args, 1)
+    out_data, _ = buffer(rets, 0)
+    return _addr(x_data), _addr(w_data), _addr(out_data), x_dims[0], x_dims[1], w_dims[0]
+
+
+def _handler(frame_addr):  # compiled by compile_handler; returns null: success
+    frame = frame_of(frame_addr)
+    if not answered(frame):
+        _matmul(*_operands(frame))
+    return ptr(0)
+
+
+def _handler_parallel(frame_addr):  # the same over numba's threads
+    frame = frame_of(frame_addr)
+    if not answered(frame):
+        _matmul_parallel(*_operands(frame))
+    return ptr(0)
+
+
+def compile_handler(parallel: bool = False):
+    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``, cached on disk by numba. Keep the
+    returned object alive as long as XLA may call it. ``parallel``: over numba's threads on TBB (raises where
+    TBB cannot be loaded)."""
+    if parallel:
+        use_tbb()
+    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
+
+
+def matmul(x: np.ndarray, w: np.ndarray, parallel: bool = True) -> np.ndarray:
+    """numpy arrays in, for benchmarks: x [M, Kc] float32 @ w [P, Kc, PANEL] (panels) -> [M, P * PANEL]."""
+    x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
+    panels = w.shape[0]
+    out = np.empty((x.shape[0], panels * PANEL), np.float32)
+    (_matmul_parallel if parallel else _matmul)(x.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0],
+                                                x.shape[1], panels)
+    return out

@@ -1,0 +1,66 @@
+"""The CPU dense-matmul kernel (an XLA FFI custom call compiled by numba) and ``model.dense`` over weights in
+panels, against numpy's matmul of the same weight in its own layout."""
+
+import jax
+import numpy as np
+import pytest
+
+from pipejax.runner import cpu_dense
+from pipejax.runner.model import PANEL, Panels, dense
+
+
+def _in_panels(w: np.ndarray, contracted: int) -> np.ndarray:
+    """w [*in, *out] as panels [*out[:-1], out[-1] / PANEL, *in, PANEL] (what the loader writes)."""
+    ins, outs = w.shape[:contracted], w.shape[contracted:]
+    split = w.reshape(*ins, *outs[:-1], outs[-1] // PANEL, PANEL)
+    n_out = len(outs)
+    order = (*range(contracted, contracted + n_out), *range(contracted), contracted + n_out)
+    return np.ascontiguousarray(split.transpose(order))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 64])
+@pytest.mark.parametrize("ins,outs", [((48,), (32,)), ((100,), (3, 2, 64)), ((4, 16), (96,))])
+def test_kernel_and_xla_over_panels_match_numpy(rows, ins, outs):
+    """Every row tiling (8, 4, 2, 1), one or many panels, several output dims, two contracted dims."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, *ins), np.float32)
+    w = rng.standard_normal((*ins, *outs), np.float32)
+    want = np.tensordot(x.astype(np.float64), w.astype(np.float64), len(ins))
+    panels = Panels(jax.numpy.asarray(_in_panels(w, len(ins))))
+    step = jax.jit(dense, static_argnums=(2, 3))
+    for kernel in (cpu_dense.matmul, None):
+        got = np.asarray(step(x, panels, len(ins), kernel))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"kernel={kernel}")
+    np.testing.assert_allclose(np.asarray(step(x, jax.numpy.asarray(w), len(ins), None)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_is_built():
+    """The kernel itself runs in the test above, not XLA's fallback: numba builds the handler here."""
+    assert cpu_dense.prepare()
+
+
+
+def test_the_runner_takes_the_kernel_on_one_cpu_device_only(tmp_path):
+    """"auto": the kernel and weights in panels at tp = 1; XLA's dot and the weights' own layout at tp = 2 (where
+    XLA's sharded dots run, and read panels slowly at a decode step's rows); asking for the kernel there, or for
+    a choice that does not exist, says what to do."""
+    from hf_oracle import make_hf_checkpoint
+
+    from pipejax.pp_utils import stage_mesh
+    from pipejax.runner.config import CacheConfig
+    from pipejax.runner.runner import StageRunner
+
+    make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
+    cache = CacheConfig(num_blocks=8)
+    one, two = stage_mesh(jax.devices()[:1]), stage_mesh(jax.devices()[:2])
+    runner = StageRunner(tmp_path, one, cache=cache)
+    assert runner.dense_matmuls == "cpu-kernel" and isinstance(runner.params["layers.o"], Panels)
+    runner = StageRunner(tmp_path, two, cache=cache)
+    assert runner.dense_matmuls == "xla" and not any(isinstance(w, Panels) for w in runner.params.values())
+    assert StageRunner(tmp_path, one, cache=cache, dense_matmuls="xla").dense_matmuls == "xla"
+    with pytest.raises(ValueError, match=r"dense_matmuls='cpu-kernel' needs the native model implementation, one "
+                                         r"CPU device per stage \(tp = 1\), float32 and numba \(here: 'jax', 2 cpu"):
+        StageRunner(tmp_path, two, cache=cache, dense_matmuls="cpu-kernel")
+    with pytest.raises(ValueError, match="dense_matmuls='mkl'; use 'auto', 'xla' or 'cpu-kernel'"):
+        StageRunner(tmp_path, one, cache=cache, dense_matmuls="mkl")
