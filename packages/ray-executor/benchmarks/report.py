@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +162,7 @@ def _key(d: dict, k) -> Any:
 # --- the report ----------------------------------------------------------------------------------
 
 
-_LIBRARIES = {"jax": "XLA's", "torch": "torch's", "numpy": "numpy's (OpenBLAS)"}
+_LIBRARIES = {"jax": "XLA's", "torch": "torch's", "numpy": "numpy's (OpenBLAS)", "kernel": "pipejax's CPU kernel's"}
 
 
 def _other_libraries_lines(dd: dict, x: dict) -> list[str]:
@@ -183,15 +184,17 @@ def _other_libraries_lines(dd: dict, x: dict) -> list[str]:
     if dd.get("numpy_dense_matmuls_ms"):
         others.append(f"in numpy (OpenBLAS) {fmt(dd['numpy_dense_matmuls_ms'], 0)} ms")
     named = [f"{_LIBRARIES[lib]} at {fmt(shares[lib], 2)}" for lib in libs]
+    below = all(shares[lib]["median"] < 1 for lib in libs)
     line = (f"Measured {'a second way' if len(others) == 1 else 'other ways'}: the same matmuls "
             f"{' and '.join(others)}, each in a process of its own and in the same rounds. As shares of the 2048³ "
             f"rate timed in the same round, XLA's 64-row matmuls ran at {fmt(shares['jax'], 2)}, "
-            f"{' and '.join(named[1:])}: a 64-row matmul runs below a square one's rate in "
-            f"{'both libraries' if len(libs) == 2 else 'every library'}. At the best share the matmuls alone take "
+            f"{' and '.join(named[1:])}"
+            + (f": a 64-row matmul runs below a square one's rate in {'both' if len(libs) == 2 else 'every one'} of "
+               "them" if below else "") + ". At the best share the matmuls alone take "
             f"{least - kv_ms:.0f} ms of a {floor:.0f} ms floor, and with the K/V read once at the measured "
             f"bandwidth {least / floor:.2f}× it, before attention's arithmetic, the small operations and sampling")
     if least / floor > goal:
-        line += f": ≤ {goal}× is out of reach on this machine for an engine built on these libraries' matmuls."
+        line += f": ≤ {goal}× is out of reach on this machine for an engine built on these matmuls."
     else:
         line += f"; ≤ {goal}× leaves {goal * floor - least:.0f} ms for them."
     lines = [line]
@@ -208,6 +211,13 @@ def _other_libraries_lines(dd: dict, x: dict) -> list[str]:
             "measured bandwidth takes. So the weights' stream from memory is not hidden behind the arithmetic, "
             "where the floor's max(compute, memory) assumes it is.")
     return lines
+
+
+def _by_batch(per_batch: dict, line: Callable[[Any], str]) -> str:
+    """``line(figures)`` for each batch of ``per_batch`` (keys: batch sizes; other keys are skipped), in order."""
+    batches = sorted((n for n in per_batch if str(n).isdigit()), key=int)
+    return "; ".join(f"batch {n}: {line(per_batch[n])}" for n in batches)
+
 
 def _attention_kernel_line(dd: dict) -> str:
     """The decode attention's kernel next to XLA's formulation, same step, same batch (decode section)."""
@@ -431,8 +441,11 @@ class Report:
         ceiling = hf_s / pf["seconds"]
         decode = max((x for x in pf["shapes"] if x[0] == x[1]), key=lambda x: x[2], default=None)  # most steps
         return [
-            f"The same ceiling measured a second way, from this run's parts rather than its FLOP count: XLA:CPU's "
-            f"own dots for each step's tokens, timed alone over resident weights right after the run, take "
+            "The same ceiling measured a second way, from this run's parts rather than its FLOP count: "
+            + ("the dense matmuls of each step's tokens as the engine runs them (XLA:CPU's dot in prefill steps, the "
+               "CPU dense kernel over weights in panels in decode steps)" if pf.get("decode_dots") == "cpu-kernel"
+               else "XLA:CPU's own dots for each step's tokens")
+            + f", timed alone over resident weights right after the run, take "
             f"{pf['dots_s']:.1f} s"
             + (f" (a {decode[0]}-row decode step's {decode[3] * 1e3:.0f} ms × {decode[2]})" if decode else "")
             + f", and the K/V the decode tokens read once takes {pf['kv_s']:.1f} s at the measured bandwidth: "
@@ -494,8 +507,7 @@ class Report:
         if loop:
             out += ["", "The same dense matmuls read through a `lax.scan` over the layers' stacked weights (as the "
                     "runner's layer loop reads them) against a loop over per-layer arrays, alternated, median ms: "
-                    + "; ".join(f"batch {n}: scan {fmt(t['scan_ms'])}, per-layer arrays {fmt(t['per_layer_ms'])}"
-                                for n, t in sorted(loop.items(), key=lambda kv: int(kv[0])))
+                    + _by_batch(loop, lambda t: f"scan {fmt(t['scan_ms'])}, per-layer arrays {fmt(t['per_layer_ms'])}")
                     + ". The difference is the copy of each layer's weights that the scan's dynamic slice makes on "
                     "XLA:CPU before its dots read them."]
         ab = dd.get("unrolled_vs_scan") or {}
@@ -504,13 +516,27 @@ class Report:
                     "stacked weights (`StageRunner(decode_layers=...)`, \"unrolled\" by default on CPU: each view "
                     "aliases its layer's memory, nothing is copied); prefill steps keep the scan. The runner's "
                     "decode step both ways, alternated, median ms: "
-                    + "; ".join(f"batch {n}: unrolled {fmt(t['unrolled_ms'])}, scan {fmt(t['scan_ms'])}"
-                                for n, t in sorted(ab.items(), key=lambda kv: int(kv[0])))
+                    + _by_batch(ab, lambda t: f"unrolled {fmt(t['unrolled_ms'])}, scan {fmt(t['scan_ms'])}")
                     + ". The first step of each (its compile included): "
-                    + "; ".join(f"batch {n}: unrolled {t['unrolled_first_s']:.1f} s, scan {t['scan_first_s']:.1f} s"
-                                for n, t in sorted(ab.items(), key=lambda kv: int(kv[0])))
+                    + _by_batch(ab, lambda t: f"unrolled {t['unrolled_first_s']:.1f} s, scan {t['scan_first_s']:.1f} s")
                     + "."]
-        if dd.get("few_row_dots"):
+        kab = dd.get("dense_kernel_vs_xla") or {}
+        if kab:
+            out += ["", "The runner's decode steps on CPU run their dense matmuls on a hand-written kernel "
+                    "(`StageRunner(dense_matmuls=...)`, \"cpu-kernel\" by default for float32 on CPU; "
+                    "`pipejax.runner.cpu_dense`, an XLA FFI custom call compiled by numba). The stage stores each "
+                    "dense weight in panels of 32 output columns (`model.Panels`), so that the kernel streams a "
+                    "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps read "
+                    "the same panels with XLA's dot. The dense matmuls alone, same rounds, median ms: "
+                    + _by_batch({n: t for n, t in loop.items() if t.get("kernel_ms")},
+                                lambda t: f"kernel {fmt(t['kernel_ms'])}, XLA's dot {fmt(t['per_layer_ms'])}")
+                    + ". The runner's decode step both ways, alternated, median ms: "
+                    + _by_batch(kab, lambda t: f"kernel {fmt(t['kernel_ms'])}, XLA's dot {fmt(t['xla_ms'])}")
+                    + "." + (" A 2048-token prefill forward with the weights in panels took "
+                             f"{fmt(kab['prefill']['kernel_ms'], 0)} ms against "
+                             f"{fmt(kab['prefill']['xla_ms'], 0)} ms with them as [in, out], alternated."
+                             if "prefill" in kab else "")]
+        if dd.get("few_row_dots") and dd.get("dense_matmuls", "xla") == "xla":
             lo, hi = dd["few_row_dots_rows"]
             out += ["", f"Decode steps of {lo}-{hi} rows ran their dots on **{dd['few_row_dots']}** here "
                     "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu_dots`: at its first such step the runner "
@@ -531,27 +557,35 @@ class Report:
                 f"reads them: the scan's copy of each layer's weights costs {scan_ms - per_layer_ms:.1f} ms of the "
                 "step, and the matmul-vector products themselves read the weights at "
                 f"{dd['weight_bytes'] / (per_layer_ms / 1e3) / 1e9:.1f} GB/s against the "
-                f"{dd['memory_gbps']['median']:.1f} GB/s a reduction reads.",
+                f"{dd['memory_gbps']['median']:.1f} GB/s a reduction reads."
+                + (f" On the CPU dense kernel over weights in panels, as the runner's decode steps run them, they "
+                   f"take {t['kernel_ms']['median']:.1f} ms: "
+                   f"{dd['weight_bytes'] / (t['kernel_ms']['median'] / 1e3) / 1e9:.1f} GB/s."
+                   if dd.get("dense_matmuls") == "cpu-kernel" and t.get("kernel_ms") else ""),
             ] + ([
                 f"The runner's decode steps read per-layer views of the weights (unrolled layers), which removes "
                 f"that copy: the step took {_key(ab, 1)['unrolled_ms']['median']:.1f} ms that way against "
                 f"{_key(ab, 1)['scan_ms']['median']:.1f} ms as a layer scan, alternated. What remains above the "
-                "floor is XLA:CPU's matrix-vector products, which read the weights below the reduction's rate."
+                "floor is " + ("the kernel's" if dd.get("dense_matmuls") == "cpu-kernel" else "XLA:CPU's")
+                + " matrix-vector products, which read the weights below the reduction's rate."
             ] if ab and ("1" in ab or 1 in ab) else [])))
         x = _key(dd["decode"], 64)
         if x["ratio"]["median"] > 1.5:
-            rest = p["forward"] - dd["dense_matmuls_ms"]
+            kernel = dd.get("dense_matmuls") == "cpu-kernel" and dd.get("kernel_dense_matmuls_ms")
+            dots_ms = kernel["median"] if kernel else dd["dense_matmuls_ms"]
+            rest = p["forward"] - dots_ms
             mb = 2**20
-            dense_rate = 2 * 64 * dd["matmul_params"] / (dd["dense_matmuls_ms"] / 1e3) / 1e9 \
-                if "matmul_params" in dd else float("nan")
+            dense_rate = 2 * 64 * dd["matmul_params"] / (dots_ms / 1e3) / 1e9 if "matmul_params" in dd \
+                else float("nan")
             lines = [
-                f"The weights' matmuls alone take {dd['dense_matmuls_ms']:.0f} ms at batch 64 ({dense_rate:.0f} "
-                f"GFLOP/s, {dense_rate / dd['matmul_gflops']['median']:.0%} of the 2048³ rate the floor assumes): "
-                "XLA's CPU matmuls with 64 rows are less efficient than a large square one, which the floor "
-                f"cannot see. That gap is {dd['dense_matmuls_ms'] - x['floor_ms']['median']:.0f} ms of the step.",
+                f"The weights' matmuls alone take {dots_ms:.0f} ms at batch 64 on "
+                + ("the CPU dense kernel, as the runner's decode steps run them" if kernel else "XLA's dot")
+                + f" ({dense_rate:.0f} GFLOP/s, {dense_rate / dd['matmul_gflops']['median']:.0%} of the 2048³ rate "
+                "the floor assumes): matmuls with 64 rows run below a large square one's rate, which the floor "
+                f"cannot see. That gap is {dots_ms - x['floor_ms']['median']:.0f} ms of the step.",
             ] + _other_libraries_lines(dd, x) + [
                 f"Of the {p['forward']:.0f} ms forward, the weights' matmuls account for about "
-                f"{dd['dense_matmuls_ms']:.0f} ms; the other {rest:.0f} ms is attention over the paged KV cache "
+                f"{dots_ms:.0f} ms; the other {rest:.0f} ms is attention over the paged KV cache "
                 "(with the norms, RoPE and cache writes). "
                 + (_attention_kernel_line(dd) if dd.get("xla_attention_parts_ms") else
                    "Decode rows attend by a multiply-reduce over the block-table gather that XLA fuses. ")
@@ -575,7 +609,8 @@ class Report:
                 f"{dd['kv_bytes_needed'] / (dd['memory_gbps']['median'] * 1e9) * 1e3:.0f} ms); it cannot see the "
                 "64-row matmuls' lower rate (the gap above).",
                 "Suggested: on TPU, a ragged paged-attention kernel (Pallas) in place of the XLA formulation; on "
-                "CPU, the weights' matmuls at 64 rows are what remains (XLA:CPU's own dot)"
+                "CPU, the weights' matmuls at 64 rows are what remains ("
+                + ("the CPU dense kernel's rate below the 2048³ one" if kernel else "XLA:CPU's own dot") + ")"
                 + ("" if dd.get("unrolled_vs_scan") else ", and the copy of each layer's weights that the layer "
                    "scan's dynamic slice makes before the dots read them "
                    "(`packages/runner/benchmarks/layer_loop_bench.py`)") + ".",

@@ -171,7 +171,7 @@ def test_render_from_results(tmp_path):
     assert ("the same matmuls in torch take 155 [150–160] ms and in numpy (OpenBLAS) 175 [170–180] ms, each in a "
             "process of its own") in text
     assert ("XLA's 64-row matmuls ran at 0.61 [0.60–0.62], torch's at 0.51 [0.50–0.52] and numpy's (OpenBLAS) at "
-            "0.56 [0.55–0.57]: a 64-row matmul runs below a square one's rate in every library") in text
+            "0.56 [0.55–0.57]: a 64-row matmul runs below a square one's rate in every one of them") in text
     # and why: (335 - 207) / 64 = 2.00 ms a row (2e8 FLOP: 100 GFLOP/s); 2 t(64) - t(128) = 79 ms a pass, against
     # 4e8 B / 3.25 GB/s = 123 ms to read the weights once
     assert "at 128 rows take 335 [330–340] ms against 207 at 64. Each row adds 2.00 ms (100 GFLOP/s)" in text
@@ -195,6 +195,39 @@ def test_render_from_results(tmp_path):
     assert ("against transformers' 21.0 s — a ceiling of 1.17×. pipejax's run was 1.47× that floor: by this measure "
             "1.6× is out of reach in this run") in text
     assert "pipejax's run took 26.4 s: its useful work ran at 101% of JAX's matmul rate (1.6× asks 203% of it" in text
+
+
+def test_render_with_the_dense_kernel(tmp_path):
+    """Where the runner's decode steps ran their matmuls on the CPU dense kernel, the bounds take its figures."""
+    data = synthetic_results()
+    dd = data["decode"]
+    dd.update({"dense_matmuls": "cpu-kernel", "kernel_dense_matmuls_ms": s(140, 150), "few_row_dots": "ynnpack",
+               "few_row_dots_rows": [4, 32],
+               "layer_loop_ms": {"1": {"per_layer_ms": s(20, 21), "scan_ms": s(28, 29), "kernel_ms": s(15, 16)},
+                                 "64": {"per_layer_ms": s(205, 209), "scan_ms": s(230, 240),
+                                        "kernel_ms": s(140, 150)}},
+                "dense_kernel_vs_xla": {"1": {"kernel_ms": s(25, 26), "xla_ms": s(29, 30)},
+                                        "64": {"kernel_ms": s(280, 290), "xla_ms": s(330, 340)},
+                                        "prefill": {"kernel_ms": s(2400, 2420), "xla_ms": s(2390, 2430)}}})
+    dd["matmul_share_64"]["kernel"] = s(0.85, 0.87)
+    dd["decode"]["1"]["ratio"] = s(1.4, 1.45)  # over its goal: the batch-1 bound is written out
+    data["throughput"]["breakdown"]["parts_floor"]["decode_dots"] = "cpu-kernel"
+    text = render(tmp_path, data)
+    assert "The dense matmuls alone, same rounds, median ms: batch 1: kernel 15.5 [15.0–16.0], XLA's dot" in text
+    assert "decode step both ways, alternated, median ms: batch 1: kernel 25.5 [25.0–26.0], XLA's dot 29.5" in text
+    assert "145 ms at batch 64 on the CPU dense kernel, as the runner's decode steps run them" in text
+    assert ("A 2048-token prefill forward with the weights in panels took 2410 [2400–2420] ms against 2410 "
+            "[2390–2430] ms with them as [in, out]") in text
+    assert "and pipejax's CPU kernel's at 0.86 [0.85–0.87]: a 64-row matmul runs below" in text
+    # at the kernel's share: 134.7 ms / 0.86 = 156.6 ms, + 61.5 ms of K/V = 218.1 ms of the 127.5 ms floor
+    assert "the matmuls alone take 157 ms of a 128 ms floor" in text and "1.71× it" in text
+    assert ("On the CPU dense kernel over weights in panels, as the runner's decode steps run them, they take "
+            "15.5 ms") in text
+    assert ("as the engine runs them (XLA:CPU's dot in prefill steps, the CPU dense kernel over weights in panels in "
+            "decode steps)") in text
+    assert "ran their dots on **" not in text  # the few-row choice is XLA's, moot with the kernel
+    dd["dense_matmuls"] = "xla"  # and where XLA's dot runs them, it is reported
+    assert "ran their dots on **ynnpack**" in render(tmp_path / "xla", data)
 
 
 def test_fmt_and_verdict():

@@ -63,7 +63,8 @@ def kv_bytes(cfg, batch: int, slots: int) -> int:
 
 
 class DecodeBench:
-    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto"):
+    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
+                 dense_matmuls: str = "auto"):
         import jax
 
         from pipejax.pp_utils import stage_mesh
@@ -76,7 +77,8 @@ class DecodeBench:
         limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches),
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
         self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
-                                  decode_attention=decode_attention, decode_layers=decode_layers)
+                                  decode_attention=decode_attention, decode_layers=decode_layers,
+                                  dense_matmuls=dense_matmuls)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 
@@ -183,34 +185,44 @@ class DenseMatmuls:
     """Every weight matrix of the model (random, resident; q/k/v and gate/up fused as the runner holds them) and
     one jit applying them all to an activation: the dots a step must run, timed alone. ``rows`` go through the
     layers, the first ``head_rows`` of them through the LM head (a decode step samples every row, a prefill step
-    only each prompt's last token)."""
+    only each prompt's last token). ``panels``: the weights in panels (``model.Panels``), multiplied by the CPU
+    dense kernel (``cpu_dense``), as a CPU stage's decode steps run them; else XLA's dot on [in, out] weights."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, panels: bool = False):
         import jax
         import jax.numpy as jnp
+
+        from pipejax.runner import cpu_dense
+        from pipejax.runner.model import PANEL
 
         E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                                cfg.head_dim, cfg.vocab_size, cfg.num_layers)
         key = jax.random.key(0)
-        self.layers = [[jax.random.normal(key, s, jnp.float32) * 0.02 for s in dense_shapes(cfg)] for _ in range(L)]
-        self.head = jax.random.normal(key, (E, V), jnp.float32) * 0.02
+
+        def weight(shape):
+            w = jax.random.normal(key, shape, jnp.float32) * 0.02
+            return w.reshape(shape[0], -1, PANEL).transpose(1, 0, 2) if panels else w
+
+        self.layers = [[weight(s) for s in dense_shapes(cfg)] for _ in range(L)]
+        self.head = weight((E, V))
         self.width = E
+        mm = cpu_dense.matmul if panels else jnp.matmul
 
         def layer(x, weights):
             qkv, o, gate_up, down = weights
-            h = x @ qkv
+            h = mm(x, qkv)
             a = h[:, :H * D] + jnp.pad(h[:, H * D:(H + K) * D] + h[:, (H + K) * D:], ((0, 0), (0, (H - K) * D)))
-            x = x + a @ o
-            h = x @ gate_up
-            return x + (jax.nn.silu(h[:, :F]) * h[:, F:]) @ down
+            x = x + mm(a, o)
+            h = mm(x, gate_up)
+            return x + mm(jax.nn.silu(h[:, :F]) * h[:, F:], down)
 
         def looped(x, layers, head, head_rows):
             for weights in layers:
                 x = layer(x, weights)
-            return x[:head_rows] @ head
+            return mm(x[:head_rows], head)
 
         def scanned(x, stacked, head, head_rows):
-            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0][:head_rows] @ head
+            return mm(jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0][:head_rows], head)
 
         self._looped = jax.jit(looped, static_argnums=3)
         self._scanned = jax.jit(scanned, static_argnums=3)
@@ -311,11 +323,11 @@ class NumpyDenseMatmuls:
         return statistics.median(timed(run, repeats))
 
 
-def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False) -> float:
+def dense_matmuls(cfg, batch: int, repeats: int, scan: bool = False, panels: bool = False) -> float:
     """Seconds for every weight matrix of the model applied once to a [batch, E] activation (one jit): a loop
     over per-layer arrays, or (``scan``) a ``lax.scan`` over the layers' stacked weights, as the runner's layer
-    loop reads them (XLA:CPU copies each layer's slice before its dots read it)."""
-    return DenseMatmuls(cfg).seconds(batch, batch, repeats, scan)
+    loop reads them (XLA:CPU copies each layer's slice before its dots read it); ``panels``: see DenseMatmuls."""
+    return DenseMatmuls(cfg, panels).seconds(batch, batch, repeats, scan)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -354,9 +366,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # library's 64-row rate is taken as a share of the 2048³ rate timed in its round (the machine's speed swings
     # between rounds). XLA's at twice the rows too: t(rows) = fixed + rows x per-row splits a pass over the weights
     # into what more rows cost and what every pass costs whatever its rows.
-    layer_loop = {n: {"per_layer_ms": [], "scan_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
+    layer_loop = {n: {"per_layer_ms": [], "scan_ms": [], "kernel_ms": []} for n in batches if n in (1, HEADLINE_BATCH)}
     lib_ms: dict[str, list[float]] = {"torch": [], "numpy": []}
-    shares: dict[str, list[float]] = {"jax": [], "torch": [], "numpy": []}
+    shares: dict[str, list[float]] = {"jax": [], "torch": [], "numpy": [], "kernel": []}
     double_ms, fixed_ms = [], []
     matmul_params = (step_cost(cfg, 1)[0] - 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * CONTEXT) / 2
     matmul_flops = 2 * b * matmul_params
@@ -366,12 +378,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n, times in layer_loop.items():
                 times["per_layer_ms"].append(dense_matmuls(cfg, n, steps) * 1e3)
                 times["scan_ms"].append(dense_matmuls(cfg, n, steps, scan=True) * 1e3)
+                times["kernel_ms"].append(dense_matmuls(cfg, n, steps, panels=True) * 1e3)
             double_ms.append(dense_matmuls(cfg, 2 * b, steps) * 1e3)
             fixed_ms.append(2 * layer_loop[b]["per_layer_ms"][-1] - double_ms[-1])
             for lib, proc in others.items():
                 lib_ms[lib].append(proc.call("seconds", b, b, steps) * 1e3)
             square = matmul_rate(3)
             shares["jax"].append(matmul_flops / (layer_loop[b]["per_layer_ms"][-1] / 1e3) / square)
+            shares["kernel"].append(matmul_flops / (layer_loop[b]["kernel_ms"][-1] / 1e3) / square)
             for lib, times in lib_ms.items():
                 shares[lib].append(matmul_flops / (times[-1] / 1e3) / square)
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
@@ -379,7 +393,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
     from pipejax.runner import cpu_dots
 
-    bench_layers, bench_dots = bench.runner.decode_layers, bench.runner.few_row_dots
+    bench_layers, bench_dots, bench_dense = bench.runner.decode_layers, bench.runner.few_row_dots, \
+        bench.runner.dense_matmuls
     slots = parts["shape"][4] * bench.block
     # The runner's decode step with its layers unrolled over per-layer views of the weights (its default on CPU)
     # against the same step as a layer scan over the stacked weights, alternated; and each one's first step.
@@ -396,6 +411,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                        "scan_first_s": scan_first_s[n]}
                      for n, times in ab.items()}
         del scan
+    # The runner's decode step with its dense matmuls on the CPU dense kernel over weights in panels (its default on
+    # CPU) against XLA's dot over the weights as [in, out], alternated; and the 2048-token prefill forward, which
+    # reads the panels with XLA's dot, against the same over [in, out] weights ("prefill").
+    dense_ab = None
+    if bench.runner.dense_matmuls == "cpu-kernel":
+        xla_dots = DecodeBench(bench_model(), batches, dense_matmuls="xla")
+        xla_dots.compile_steps(batches)
+        xla_prefill = xla_dots.prefill_forward()
+        xla_prefill()  # compile
+        ab = {n: {"kernel_ms": [], "xla_ms": []} for n in [*batches, "prefill"]}
+        for _ in range(3):
+            for n, times in ab.items():
+                ours, theirs = (prefill, xla_prefill) if n == "prefill" else (lambda n=n: bench.step(n),
+                                                                              lambda n=n: xla_dots.step(n))
+                reps = 3 if n == "prefill" else steps
+                times["kernel_ms"].append(statistics.median(timed(ours, reps)) * 1e3)
+                times["xla_ms"].append(statistics.median(timed(theirs, reps)) * 1e3)
+        dense_ab = {n: {k: summary(v) for k, v in times.items()} for n, times in ab.items()}
+        del xla_dots, xla_prefill
     # The same step with XLA's formulation of the decode attention (the block-table gather), side by side.
     xla_parts = None
     if bench.runner.decode_attention != "xla":
@@ -425,6 +459,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "matmul_share_64": {lib: summary(v) for lib, v in shares.items()},  # of the 2048³ rate, same round
         "layer_loop_ms": layer_loop,
         "decode_layers": bench_layers,
+        "dense_matmuls": bench_dense,  # the runner's choice: "cpu-kernel" (weights in panels) or "xla"
+        "kernel_dense_matmuls_ms": layer_loop[b]["kernel_ms"],  # the CPU dense kernel over panels, same rounds
+        "dense_kernel_vs_xla": dense_ab,  # the runner's decode step both ways, alternated
         "few_row_dots": bench_dots,
         "few_row_dots_rows": list(cpu_dots.FEW_ROWS),
         "unrolled_vs_scan": layers_ab,

@@ -179,21 +179,23 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
     return out
 
 
-def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int = 3) -> dict[str, Any]:
+def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int = 3,
+                decode_dots: str = "cpu-kernel") -> dict[str, Any]:
     """A floor for the run measured by running its parts, independent of the FLOP count and the 2048³ rate:
-    XLA:CPU's own dots for each step's tokens (every layer weight once; the LM head on the rows it sampled),
-    timed alone over resident weights (``decode.DenseMatmuls``), plus the K/V bytes each decode token reads
-    once at the measured bandwidth. What any engine built on XLA:CPU's dots would still spend on this run."""
+    the dense matmuls of each step's tokens as the engine runs them (every layer weight once; the LM head on the
+    rows it sampled), timed alone over resident weights (``decode.DenseMatmuls``): XLA:CPU's dot for prefill
+    steps, and for decode steps (every token sampled) ``decode_dots`` ("cpu-kernel": the CPU dense kernel over
+    weights in panels; "xla"); plus the K/V bytes each decode token reads once at the measured bandwidth."""
     from collections import Counter
 
     from sections.decode import DenseMatmuls, kv_bytes
 
-    dots = DenseMatmuls(cfg)
+    xla, kernel = DenseMatmuls(cfg), DenseMatmuls(cfg, panels=True) if decode_dots == "cpu-kernel" else None
     counts = Counter((b["tokens"], b["sampled"]) for b in steps)
-    dots_s = {key: dots.seconds(*key, repeats) for key in counts}
+    dots_s = {(t, s): (kernel if kernel and t == s else xla).seconds(t, s, repeats) for t, s in counts}
     dense = sum(n * dots_s[key] for key, n in counts.items())
     kv_s = kv_bytes(cfg, 1, sum(b["attended"] for b in steps if not b["prefill"])) / bandwidth
-    return {"dots_s": dense, "kv_s": kv_s, "seconds": dense + kv_s,
+    return {"dots_s": dense, "kv_s": kv_s, "seconds": dense + kv_s, "decode_dots": decode_dots,
             "shapes": [[t, s, n, dots_s[(t, s)]] for (t, s), n in sorted(counts.items())]}
 
 
