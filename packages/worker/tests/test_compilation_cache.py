@@ -5,9 +5,10 @@ The script caches every compile (threshold 0): with the worker's 0.2 s threshold
 program that compiles in ~0.2 s is skipped by one run and written by the next, so the file lists
 would differ by timing alone (CI saw that on a loaded machine).
 
-The two processes' few-row dots measurements (``cpu_dots``) are made to disagree, as they did in CI on
-a loaded machine: the second start must take the choice the first remembered in the cache folder, or it
-compiles its few-row decode steps again."""
+Where decode steps run their matmuls on XLA's dot, the two processes' few-row dots measurements (``cpu_dots``)
+are made to disagree, as they did in CI on a loaded machine: the second start must take the choice the first
+remembered in the cache folder, or it compiles its few-row decode steps again. With the CPU dense kernel (the
+default here) there is no such choice to make."""
 
 import os
 import subprocess
@@ -25,6 +26,9 @@ from pipejax.runner import cpu_dots
 from pipejax.worker import StageWorker, WorkerConfig, worker as worker_module
 worker_module.MIN_CACHED_COMPILE_S = 0.0
 cpu_dots.measured_choice = lambda: sys.argv[3]  # what this process would measure
+if sys.argv[4] == "xla":  # the runner's dense_matmuls="auto" would choose XLA's dot
+    import pipejax.runner.runner as runner_module
+    runner_module.use_panels = lambda mesh, cfg: False
 from worker_oracle import CACHE, LIMITS
 worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
@@ -33,20 +37,21 @@ worker.warmup(worker.warmup_batches(max_shapes=3), progress=False)
 """
 
 
-def run_stage_process(model, cache_dir, measured):
+def run_stage_process(model, cache_dir, measured, dense):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.dirname(__file__)}
-    command = [sys.executable, "-c", SCRIPT, str(model), str(cache_dir), measured]
+    command = [sys.executable, "-c", SCRIPT, str(model), str(cache_dir), measured, dense]
     subprocess.run(command, env=env, check=True, timeout=240)
     return sorted(os.listdir(cache_dir))
 
 
-def test_second_start_reuses_the_compiled_steps(checkpoint, tmp_path):
+@pytest.mark.parametrize("dense", ["xla", "cpu-kernel"])
+def test_second_start_reuses_the_compiled_steps(checkpoint, tmp_path, dense):
     assert CACHE.num_blocks
-    first = run_stage_process(checkpoint[0], tmp_path, "eigen")
+    first = run_stage_process(checkpoint[0], tmp_path, "eigen", dense)
     assert any("step" in name or "forward" in name for name in first), first  # the stage's jitted step is cached
-    assert any(name.startswith("pipejax-few-row-dots-") for name in first), first
-    assert run_stage_process(checkpoint[0], tmp_path, "ynnpack") == first
+    assert any(name.startswith("pipejax-few-row-dots-") for name in first) == (dense == "xla"), first
+    assert run_stage_process(checkpoint[0], tmp_path, "ynnpack", dense) == first
 
 
 def test_the_cache_folder_comes_from_the_callers_environment(monkeypatch):
