@@ -442,9 +442,12 @@ class Report:
         decode = max((x for x in pf["shapes"] if x[0] == x[1]), key=lambda x: x[2], default=None)  # most steps
         return [
             "The same ceiling measured a second way, from this run's parts rather than its FLOP count: "
-            + ("the dense matmuls of each step's tokens as the engine runs them (XLA:CPU's dot in prefill steps, the "
-               "CPU dense kernel over weights in panels in decode steps)" if pf.get("decode_dots") == "cpu-kernel"
-               else "XLA:CPU's own dots for each step's tokens")
+            + ("the dense matmuls of each step's tokens as the engine runs them (the CPU dense kernel over weights "
+               "in panels)" if pf.get("dots") == "cpu-kernel" else
+               # runs from before the kernel ran prefill steps too kept their dots as "decode_dots"
+               "the dense matmuls of each step's tokens (XLA:CPU's dot in prefill steps, the CPU dense kernel over "
+               "weights in panels in decode steps)" if pf.get("decode_dots") == "cpu-kernel" else
+               "XLA:CPU's own dots for each step's tokens")
             + f", timed alone over resident weights right after the run, take "
             f"{pf['dots_s']:.1f} s"
             + (f" (a {decode[0]}-row decode step's {decode[3] * 1e3:.0f} ms × {decode[2]})" if decode else "")
@@ -477,7 +480,12 @@ class Report:
         dd = self.d["decode"]
         out = ["## Decode step vs the machine's floor", ""]
         out += [f"Runner step (pp1 tp1, fp32, {dd['context']} tokens of context per request, sampling included). "
-                f"Measured in the same repeats: matmul {fmt(dd['matmul_gflops'])} GFLOP/s (2048³ fp32), memory "
+                f"Measured in the same repeats: matmul {fmt(dd['matmul_gflops'])} GFLOP/s (2048³ fp32"
+                + ("; in each repeat the higher of a probe before its steps and one after them, as read: "
+                   + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in dd["matmul_gflops_before_after"])
+                   + " — this host's speed swings between phases of seconds"
+                   if dd.get("matmul_gflops_before_after") else "")
+                + f"), memory "
                 f"{fmt(dd['memory_gbps'], 2)} GB/s read (a JAX reduction over a resident 1 GiB array: a decode step "
                 "streams its weights and K/V, so reads are its bound)"
                 + (f"; numpy's reduction over a resident 1 GiB: {fmt(dd['numpy_gbps'], 2)} GB/s (JAX / numpy "
@@ -526,15 +534,16 @@ class Report:
                     "(`StageRunner(dense_matmuls=...)`, \"cpu-kernel\" by default for float32 on CPU; "
                     "`pipejax.runner.cpu_dense`, an XLA FFI custom call compiled by numba). The stage stores each "
                     "dense weight in panels of 32 output columns (`model.Panels`), so that the kernel streams a "
-                    "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps read "
-                    "the same panels with XLA's dot. The dense matmuls alone, same rounds, median ms: "
+                    "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps run "
+                    "on it too. The dense matmuls alone, same rounds, median ms: "
                     + _by_batch({n: t for n, t in loop.items() if t.get("kernel_ms")},
                                 lambda t: f"kernel {fmt(t['kernel_ms'])}, XLA's dot {fmt(t['per_layer_ms'])}")
                     + ". The runner's decode step both ways, alternated, median ms: "
                     + _by_batch(kab, lambda t: f"kernel {fmt(t['kernel_ms'])}, XLA's dot {fmt(t['xla_ms'])}")
-                    + "." + (" A 2048-token prefill forward with the weights in panels took "
+                    + "." + (" A 2048-token prefill forward on the kernel took "
                              f"{fmt(kab['prefill']['kernel_ms'], 0)} ms against "
-                             f"{fmt(kab['prefill']['xla_ms'], 0)} ms with them as [in, out], alternated."
+                             f"{fmt(kab['prefill']['xla_ms'], 0)} ms on XLA's dot over [in, out] weights, "
+                             "alternated."
                              if "prefill" in kab else "")]
         if dd.get("few_row_dots") and dd.get("dense_matmuls", "xla") == "xla":
             lo, hi = dd["few_row_dots_rows"]

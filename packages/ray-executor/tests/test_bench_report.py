@@ -211,20 +211,22 @@ def test_render_with_the_dense_kernel(tmp_path):
                                         "prefill": {"kernel_ms": s(2400, 2420), "xla_ms": s(2390, 2430)}}})
     dd["matmul_share_64"]["kernel"] = s(0.85, 0.87)
     dd["decode"]["1"]["ratio"] = s(1.4, 1.45)  # over its goal: the batch-1 bound is written out
-    data["throughput"]["breakdown"]["parts_floor"]["decode_dots"] = "cpu-kernel"
+    data["throughput"]["breakdown"]["parts_floor"]["dots"] = "cpu-kernel"
+    dd["matmul_gflops_before_after"] = [[90.0, 95.5], [100.0, 60.2]]
     text = render(tmp_path, data)
+    assert ("in each repeat the higher of a probe before its steps and one after them, as read: 90/96, 100/60 — "
+            "this host's speed swings") in text
     assert "The dense matmuls alone, same rounds, median ms: batch 1: kernel 15.5 [15.0–16.0], XLA's dot" in text
     assert "decode step both ways, alternated, median ms: batch 1: kernel 25.5 [25.0–26.0], XLA's dot 29.5" in text
     assert "145 ms at batch 64 on the CPU dense kernel, as the runner's decode steps run them" in text
-    assert ("A 2048-token prefill forward with the weights in panels took 2410 [2400–2420] ms against 2410 "
-            "[2390–2430] ms with them as [in, out]") in text
+    assert ("A 2048-token prefill forward on the kernel took 2410 [2400–2420] ms against 2410 [2390–2430] ms on "
+            "XLA's dot over [in, out] weights") in text
     assert "and pipejax's CPU kernel's at 0.86 [0.85–0.87]: a 64-row matmul runs below" in text
     # at the kernel's share: 134.7 ms / 0.86 = 156.6 ms, + 61.5 ms of K/V = 218.1 ms of the 127.5 ms floor
     assert "the matmuls alone take 157 ms of a 128 ms floor" in text and "1.71× it" in text
     assert ("On the CPU dense kernel over weights in panels, as the runner's decode steps run them, they take "
             "15.5 ms") in text
-    assert ("as the engine runs them (XLA:CPU's dot in prefill steps, the CPU dense kernel over weights in panels in "
-            "decode steps)") in text
+    assert "as the engine runs them (the CPU dense kernel over weights in panels)" in text
     assert "ran their dots on **" not in text  # the few-row choice is XLA's, moot with the kernel
     dd["dense_matmuls"] = "xla"  # and where XLA's dot runs them, it is reported
     assert "ran their dots on **ynnpack**" in render(tmp_path / "xla", data)

@@ -180,22 +180,22 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
 
 
 def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int = 3,
-                decode_dots: str = "cpu-kernel") -> dict[str, Any]:
+                dots: str = "cpu-kernel") -> dict[str, Any]:
     """A floor for the run measured by running its parts, independent of the FLOP count and the 2048³ rate:
     the dense matmuls of each step's tokens as the engine runs them (every layer weight once; the LM head on the
-    rows it sampled), timed alone over resident weights (``decode.DenseMatmuls``): XLA:CPU's dot for prefill
-    steps, and for decode steps (every token sampled) ``decode_dots`` ("cpu-kernel": the CPU dense kernel over
-    weights in panels; "xla"); plus the K/V bytes each decode token reads once at the measured bandwidth."""
+    rows it sampled), timed alone over resident weights (``decode.DenseMatmuls``) on ``dots`` ("cpu-kernel": the
+    CPU dense kernel over weights in panels; "xla": XLA's dot); plus the K/V bytes each decode token reads once
+    at the measured bandwidth."""
     from collections import Counter
 
     from sections.decode import DenseMatmuls, kv_bytes
 
-    xla, kernel = DenseMatmuls(cfg), DenseMatmuls(cfg, panels=True) if decode_dots == "cpu-kernel" else None
+    matmuls = DenseMatmuls(cfg, panels=dots == "cpu-kernel")
     counts = Counter((b["tokens"], b["sampled"]) for b in steps)
-    dots_s = {(t, s): (kernel if kernel and t == s else xla).seconds(t, s, repeats) for t, s in counts}
+    dots_s = {(t, s): matmuls.seconds(t, s, repeats) for t, s in counts}
     dense = sum(n * dots_s[key] for key, n in counts.items())
     kv_s = kv_bytes(cfg, 1, sum(b["attended"] for b in steps if not b["prefill"])) / bandwidth
-    return {"dots_s": dense, "kv_s": kv_s, "seconds": dense + kv_s, "decode_dots": decode_dots,
+    return {"dots_s": dense, "kv_s": kv_s, "seconds": dense + kv_s, "dots": dots,
             "shapes": [[t, s, n, dots_s[(t, s)]] for (t, s), n in sorted(counts.items())]}
 
 

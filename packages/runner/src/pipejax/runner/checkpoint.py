@@ -378,8 +378,8 @@ def _panels_for(name: str, spec, sharding, mesh: Mesh) -> tuple[int, int, Any] |
 
 def use_panels(mesh: Mesh, cfg: ModelConfig) -> bool:
     """Whether a stage on ``mesh`` stores its dense weights in panels by default: where the CPU dense kernel
-    runs its decode steps' matmuls, on one CPU device in float32. (XLA's dot reads panels at a prefill's rate but
-    not at a decode step's: with tp > 1, where XLA's sharded dots run, the weights keep their own layout.)"""
+    runs its matmuls, on one CPU device in float32. (XLA's dot reads panels far slower at a decode step's rows:
+    with tp > 1, where XLA's sharded dots run, the weights keep their own layout.)"""
     return mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu" and cfg.dtype == "float32"
 
 

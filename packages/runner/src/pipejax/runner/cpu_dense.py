@@ -1,10 +1,11 @@
-"""Dense matmuls of a CPU decode step as a hand-written kernel: an XLA FFI custom call compiled by numba
+"""Dense matmuls of a CPU stage as a hand-written kernel: an XLA FFI custom call compiled by numba
 (``cpu_dense_kernel``), over weights stored in panels (``model.Panels``).
 
 At a decode step's few rows XLA:CPU's dot runs well below its square-matmul rate, and the step is mostly its
 dense matmuls. The kernel reads each panel of a weight as one contiguous stream and keeps every output tile
-in registers. Like the decode-attention kernel it is built at the first decode step traced on a CPU stage
-(cached on disk by numba); where numba cannot build it, a warning says so and XLA's dot reads the panels.
+in registers; at a prefill step's many rows it runs a little faster than XLA's dot too. Like the
+decode-attention kernel it is built at the first step traced on a CPU stage (cached on disk by numba); where
+numba cannot build it, a warning says so and XLA's dot reads the panels.
 Used for float32 weights on single-device stages (``checkpoint.use_panels``); with tp > 1 the weights keep their
 own layout for XLA's sharded dots (XLA's dot reads panels as fast at a prefill's rows, far slower at a decode
 step's).

@@ -1,5 +1,5 @@
 """The CPU dense-matmul kernel itself: numba code behind an XLA FFI handler (``cpu_dense`` is the JAX side).
-Imported only when a CPU stage first traces a decode step, like ``cpu_decode_kernel``.
+Imported only when a CPU stage first traces a step over weights in panels, like ``cpu_decode_kernel``.
 
 ``x [M, Kc] @ w -> [M, N]`` for a weight stored in panels (``model.Panels``: [N / 32, Kc, 32], each panel's
 32 output columns contiguous for every input row). The weight streams from memory in order, one panel at a

@@ -36,7 +36,7 @@ class ParamSpec:
 # On CPU stages the dense weights are stored in panels of PANEL output columns: a weight [*lead, *in, *out]
 # as [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL], so that a matmul streams each panel's columns for
 # every input row from contiguous memory (``cpu_dense_kernel``): at a decode step's few rows far faster than
-# XLA's dot reads a row-major weight. Over a prefill's many rows XLA's dot reads either layout at the same rate.
+# XLA's dot reads a row-major weight, and at a prefill's many rows a little faster.
 PANEL = 32
 # The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
 DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
@@ -441,15 +441,12 @@ def stage_forward(
     ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
     weights replaced by ``"layers"``: a list of per-layer dicts (``layer_views.per_layer``), read in turn.
     ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``).
-    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``), for decode steps."""
+    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
-
-    if shape.prefill_rows:  # XLA's dot, at its full rate over a prefill's many rows, reads weights in panels too
-        dense_kernel = None
 
     def layer(carry, p, idx):
         x, k_all, v_all = carry

@@ -115,7 +115,7 @@ class StageRunner:
                                    "the native model implementation, CPU devices, float32")
 
     def _choose_dense_matmuls(self, wanted: str) -> str:
-        """"cpu-kernel" (dense weights in panels, decode steps' matmuls by ``cpu_dense``) or "xla" for ``wanted``."""
+        """"cpu-kernel" (dense weights in panels, multiplied by ``cpu_dense``) or "xla" for ``wanted``."""
         fits = self.impl is NATIVE and use_panels(self.mesh, self.cfg) and cpu_decode_attention.available()
         return self._kernel_or_xla("dense_matmuls", wanted, fits,
                                    "the native model implementation, one CPU device per stage (tp = 1), float32")
