@@ -219,6 +219,25 @@ def _by_batch(per_batch: dict, line: Callable[[Any], str]) -> str:
     return "; ".join(f"batch {n}: {line(per_batch[n])}" for n in batches)
 
 
+def _prefill_lines(dd: dict, pf: dict) -> list[str]:
+    """What the prefill step's share of the 2048³ rate is made of, repeat by repeat (decode section)."""
+    steps, rates = pf["step_ms"].get("values", []), dd["matmul_gflops"].get("values", [])
+    shares = pf["share_of_matmul_rate"].get("values", [])
+    lines = [f"The step's useful work is {pf['gflops']:.0f} GFLOP. Repeat by repeat it took "
+             + ", ".join(f"{t:.0f} ms" for t in steps) + " against 2048³ rates of "
+             + ", ".join(f"{r:.0f}" for r in rates) + " GFLOP/s: shares " + ", ".join(f"{x:.2f}" for x in shares)
+             + ". A share is only as good as the rate probed beside it, and this host's speed swings between phases "
+             "of seconds (see the decode section's probes)."]
+    ab = (dd.get("dense_kernel_vs_xla") or {}).get("prefill")
+    if ab:
+        lines.append(f"The step is its dense matmuls and its attention. Its forward took {fmt(ab['kernel_ms'], 0)} "
+                     f"ms with the matmuls on the CPU dense kernel against {fmt(ab['xla_ms'], 0)} ms on XLA's dot, "
+                     "alternated: at the repeats' median rate that is "
+                     f"{pf['gflops'] / (ab['kernel_ms']['median'] / 1e3) / dd['matmul_gflops']['median']:.2f}× and "
+                     f"{pf['gflops'] / (ab['xla_ms']['median'] / 1e3) / dd['matmul_gflops']['median']:.2f}×.")
+    return lines
+
+
 def _attention_kernel_line(dd: dict) -> str:
     """The decode attention's kernel next to XLA's formulation, same step, same batch (decode section)."""
     xla = dd["xla_attention_parts_ms"]
@@ -625,6 +644,10 @@ class Report:
                    "(`packages/runner/benchmarks/layer_loop_bench.py`)") + ".",
             ]
             self.findings.append(("Decode step vs floor (goal ≤ 1.5×)", lines))
+        pf = dd.get("prefill")
+        if pf and pf["share_of_matmul_rate"]["median"] < 0.85:
+            self.findings.append(("2048-token prefill step vs JAX's matmul rate (goal ≥ 0.85×)",
+                                  _prefill_lines(dd, pf)))
         return out
 
     def pipeline(self) -> list[str]:

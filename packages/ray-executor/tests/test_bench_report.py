@@ -228,6 +228,13 @@ def test_render_with_the_dense_kernel(tmp_path):
             "15.5 ms") in text
     assert "as the engine runs them (the CPU dense kernel over weights in panels)" in text
     assert "ran their dots on **" not in text  # the few-row choice is XLA's, moot with the kernel
+    # the prefill step under its goal (0.82 in the synthetic run): what its share is made of
+    assert "### 2048-token prefill step vs JAX's matmul rate (goal ≥ 0.85×)" in text
+    assert ("Repeat by repeat it took 2400 ms, 2500 ms against 2048³ rates of 90, 100 GFLOP/s: shares 0.80, 0.84"
+            in text)
+    # 315 GFLOP / 2.41 s / 95 GFLOP/s = 1.38
+    assert "Its forward took 2410 [2400–2420] ms with the matmuls on the CPU dense kernel against 2410" in text
+    assert "at the repeats' median rate that is 1.38× and 1.38×" in text
     dd["dense_matmuls"] = "xla"  # and where XLA's dot runs them, it is reported
     assert "ran their dots on **ynnpack**" in render(tmp_path / "xla", data)
 
