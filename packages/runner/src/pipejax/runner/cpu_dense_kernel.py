@@ -12,7 +12,6 @@ at about 70% of its own square-matmul rate (BENCHMARKS.md, decode section).
 from __future__ import annotations
 
 import numba
-import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -159,12 +158,3 @@ def compile_handler(parallel: bool = False):
         use_tbb()
     return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
 
-
-def matmul(x: np.ndarray, w: np.ndarray, parallel: bool = True) -> np.ndarray:
-    """numpy arrays in, for benchmarks: x [M, Kc] float32 @ w [P, Kc, PANEL] (panels) -> [M, P * PANEL]."""
-    x, w = np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32)
-    panels = w.shape[0]
-    out = np.empty((x.shape[0], panels * PANEL), np.float32)
-    (_matmul_parallel if parallel else _matmul)(x.ctypes.data, w.ctypes.data, out.ctypes.data, x.shape[0],
-                                                x.shape[1], panels)
-    return out

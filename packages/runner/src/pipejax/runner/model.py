@@ -51,10 +51,6 @@ class Panels:
         self.data = data
 
     @property
-    def dtype(self):
-        return self.data.dtype
-
-    @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
