@@ -35,6 +35,21 @@ def test_kernel_and_xla_over_panels_match_numpy(rows, ins, outs):
     np.testing.assert_allclose(np.asarray(step(x, jax.numpy.asarray(w), len(ins), None)), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [5, 64])
+def test_a_layer_of_stacked_panels(rows):
+    """A layer scan hands the kernel every layer's panels and the layer's index (a traced scalar), not a slice."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 40), np.float32)
+    ws = rng.standard_normal((3, 40, 2, 64), np.float32)
+    stack = jax.numpy.asarray(np.stack([_in_panels(w, 1) for w in ws]))  # [L, 2, 2, 40, PANEL]
+    step = jax.jit(lambda x, i, kernel: dense(x, Panels(stack, i), 1, kernel), static_argnums=2)
+    for layer, w in enumerate(ws):
+        want = np.tensordot(x.astype(np.float64), w.astype(np.float64), 1)
+        for kernel in (cpu_dense.matmul, None):
+            got = np.asarray(step(x, np.int32(layer), kernel))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {layer}, kernel={kernel}")
+
+
 def test_kernel_is_built():
     """The kernel itself runs in the test above, not XLA's fallback: numba builds the handler here."""
     assert cpu_dense.prepare()

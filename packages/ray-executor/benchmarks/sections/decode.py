@@ -206,7 +206,7 @@ class DenseMatmuls:
         self.layers = [[weight(s) for s in dense_shapes(cfg)] for _ in range(L)]
         self.head = weight((E, V))
         self.width = E
-        mm = cpu_dense.matmul if panels else jnp.matmul
+        mm = (lambda x, w: cpu_dense.matmul(x, w[None])) if panels else jnp.matmul  # [None]: a stack of one layer
 
         def layer(x, weights):
             qkv, o, gate_up, down = weights

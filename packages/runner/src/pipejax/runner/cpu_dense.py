@@ -44,10 +44,11 @@ def for_mesh(mesh: Mesh) -> Callable | None:
     return matmul if mesh.devices.size == 1 else None
 
 
-def matmul(x: jax.Array, panels: jax.Array) -> jax.Array:
-    """x [M, Kc] @ panels [P, Kc, PANEL] -> [M, P * PANEL], float32."""
-    n = panels.shape[0] * panels.shape[2]
+def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+    """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
+    ``layer`` (the whole stack goes in: a slice of it would be a copy)."""
+    n = panels.shape[1] * panels.shape[3]
     if _handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        return jnp.einsum("mk,pkc->mpc", x, panels).reshape(x.shape[0], n)
+        return jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, panels)
+    return call(x, panels, jnp.asarray(layer, jnp.int32))

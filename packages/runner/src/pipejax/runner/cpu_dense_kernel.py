@@ -12,6 +12,7 @@ at about 70% of its own square-matmul rate (BENCHMARKS.md, decode section).
 from __future__ import annotations
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -86,20 +87,21 @@ _ROWS_8, _ROWS_4, _ROWS_2, _ROWS_1 = (_microkernel(r) for r in ROW_TILES)
 
 
 @numba.njit(inline="always")
-def _panel(x_addr, kc, w_addr, out_addr, n, m):
-    """All ``m`` rows of one panel: tiles of 8 rows, then 4, 2 and 1 for the rest."""
+def rows_times_panel(x_addr, ldx, w_addr, out_addr, ldo, m, kc):
+    """``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w``
+    [kc, 32]: tiles of 8 rows, then 4, 2 and 1 for the rest."""
     i = 0
     while i + 8 <= m:
-        _ROWS_8(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        _ROWS_8(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
         i += 8
     if i + 4 <= m:
-        _ROWS_4(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        _ROWS_4(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
         i += 4
     if i + 2 <= m:
-        _ROWS_2(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        _ROWS_2(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
         i += 2
     if i < m:
-        _ROWS_1(x_addr + i * kc * 4, kc, w_addr, out_addr + i * n * 4, n, kc)
+        _ROWS_1(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
 
 
 @numba.njit(cache=True)
@@ -107,7 +109,7 @@ def _matmul(x_addr, w_addr, out_addr, m, kc, panels):
     """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32], on the calling thread."""
     n = panels * PANEL
     for p in range(panels):
-        _panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m)
+        rows_times_panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m, kc)
 
 
 @numba.njit(cache=True, parallel=True)
@@ -115,7 +117,7 @@ def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels):
     """The same with the panels spread over numba's threads (TBB)."""
     n = panels * PANEL
     for p in numba.prange(panels):
-        _panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m)
+        rows_times_panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m, kc)
 
 
 @intrinsic
@@ -128,12 +130,16 @@ def _addr(typingctx, p):
 
 @numba.njit(inline="always")
 def _operands(frame):
-    """x's address, w's, out's; rows, contraction and panels (x [M, Kc], w [P, Kc, PANEL])."""
-    args, rets = arguments(frame, 2)
+    """x's address, layer ``layer``'s panels' address, out's; rows, contraction and panels (x [M, Kc], w [L, P,
+    Kc, PANEL], layer an int32 scalar)."""
+    args, rets = arguments(frame, 3)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
+    layer_data, _ = buffer(args, 2)
     out_data, _ = buffer(rets, 0)
-    return _addr(x_data), _addr(w_data), _addr(out_data), x_dims[0], x_dims[1], w_dims[0]
+    layer = numba.carray(layer_data, (1,), np.int32)[0]
+    w_addr = _addr(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
+    return _addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1]
 
 
 def _handler(frame_addr):  # compiled by compile_handler; returns null: success

@@ -45,17 +45,19 @@ DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.do
 @jax.tree_util.register_pytree_node_class
 class Panels:
     """A dense weight stored in panels (see PANEL); ``data`` is the array. A pytree node, so a layer scan or
-    per-layer views slice ``data`` as they would the weight itself."""
+    per-layer views slice ``data`` as they would the weight itself. With ``layer`` (a scalar index), ``data`` is
+    every layer's [L, ...] and the weight is layer ``layer`` of them: the layer scan hands the dense kernel the
+    whole stack and the index, as XLA would copy a dynamic slice of it into the kernel's own buffer."""
 
-    def __init__(self, data: jax.Array):
-        self.data = data
+    def __init__(self, data: jax.Array, layer: jax.Array | None = None):
+        self.data, self.layer = data, layer
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
 
     def tree_flatten(self):
-        return (self.data,), None
+        return (self.data, self.layer), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -227,15 +229,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None) -> jax.Array:
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
-    with panels [out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in panels."""
+    with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in
+    panels."""
     if not isinstance(w, Panels):
         return jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
-    data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL]
-    outs = data.shape[: data.ndim - contracted - 1]
+    data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL], or [L, ...] of those with ``w.layer``
+    outs = data.shape[int(w.layer is not None): data.ndim - contracted - 1]
     out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
     if kernel is not None:
         flat = x.reshape(x.shape[0], -1)  # [T, Kc]
-        return kernel(flat, data.reshape(-1, flat.shape[1], PANEL)).reshape(out_shape)
+        layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
+        return kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer).reshape(out_shape)
+    if w.layer is not None:
+        data = data[w.layer]
     ins = tuple(range(len(outs), len(outs) + contracted))
     y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
     return y.reshape(out_shape)
@@ -455,8 +461,16 @@ def stage_forward(
             carry = layer(carry, p, i)
     else:  # stacked [L, ...] weights: a scan over the layers
         num_layers = kv_cache[0].shape[0]
-        carry, _ = jax.lax.scan(lambda c, xs: (layer(c, *xs), None), carry,
-                                (stacked_layers(params), jnp.arange(num_layers)))
+        scanned = stacked_layers(params)
+        # The dense kernel reads its layer's panels out of the whole stack: the scan would slice them into copies.
+        whole = {n: w for n, w in scanned.items() if isinstance(w, Panels)} if dense_kernel is not None else {}
+        scanned = {n: w for n, w in scanned.items() if n not in whole}
+
+        def step(c, xs):
+            p, idx = xs
+            return layer(c, {**p, **{n: Panels(w.data, idx) for n, w in whole.items()}}, idx), None
+
+        carry, _ = jax.lax.scan(step, carry, (scanned, jnp.arange(num_layers)))
     x, k_all, v_all = carry
     if not stage.is_last:
         return x, (k_all, v_all)
