@@ -95,6 +95,20 @@ def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp,
     assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
 
 
+@pytest.mark.parametrize("arch,pp,tp,chunk", [("LlamaForCausalLM", 1, 1, None), ("LlamaForCausalLM", 2, 2, 4),
+                                               ("MistralForCausalLM", 1, 1, 4)],
+                         ids=["llama-pp1tp1", "llama-pp2tp2-chunk4", "mistral-window8-chunk4"])
+def test_prefill_attention_kernel_matches_generate(tmp_path, arch, pp, tp, chunk):
+    """The CPU prefill-attention kernel (head dim 32, GQA 4/2), on whole prompts and on chunks after earlier
+    context, under shard_map at tp = 2, and with a window shorter than the prompts."""
+    window = {"sliding_window": 8} if arch == "MistralForCausalLM" else {}
+    model = make_hf_checkpoint(tmp_path, arch, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, **window)
+    expected = hf_greedy(model, PROMPTS, 16)
+    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, prefill_attention="cpu-kernel")
+    assert [s.prefill_attention for s in stages.stages] == ["cpu-kernel"] * pp
+    assert greedy_generate(stages, PROMPTS, 16, chunk=chunk) == expected
+
+
 @pytest.mark.parametrize(
     "chunk,attention,layers", [(None, "cpu-kernel", "unrolled"), (4, "cpu-kernel", "unrolled"), (4, "xla", "scan")],
     ids=["whole-prompts", "chunk4", "chunk4-xla-scan"],

@@ -345,17 +345,23 @@ def paged_attention(
     shape: StepShape,
     sliding_window: int | None,
     decode_kernel: Callable | None = None,
+    prefill_kernel: Callable | None = None,
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D].
-    ``decode_kernel`` (e.g. ``cpu_decode_attention.paged_decode_attention``) replaces ``decode_attention``."""
+    ``decode_kernel`` (e.g. ``cpu_decode_attention.paged_decode_attention``) replaces ``decode_attention``,
+    ``prefill_kernel`` (``cpu_prefill_attention.paged_prefill_attention``) ``prefill_attention``."""
     _, H, D = q.shape
     P = shape.prefill_rows
     parts = []
     if P:
         rows = slice(0, P)
         tables = inp.block_tables[rows, : shape.prefill_blocks or shape.blocks]
-        out = prefill_attention(q, k_cache[layer], v_cache[layer], inp.row_query_start[rows],
-                                inp.row_start_pos[rows], tables, shape.query, sliding_window)
+        if prefill_kernel is not None:  # the whole cache goes in, as for the decode kernel
+            out = prefill_kernel(q, k_cache, v_cache, layer, inp.row_query_start[rows], inp.row_start_pos[rows],
+                                 tables, shape.query, sliding_window).astype(q.dtype)
+        else:
+            out = prefill_attention(q, k_cache[layer], v_cache[layer], inp.row_query_start[rows],
+                                    inp.row_start_pos[rows], tables, shape.query, sliding_window)
         parts.append(out.reshape(P * shape.query, H, D))
     if shape.decode_rows:
         rows = slice(P, P + shape.decode_rows)
@@ -383,6 +389,7 @@ def attention(
     block_size: int,
     decode_kernel: Callable | None = None,
     dense_kernel: Callable | None = None,
+    prefill_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     qkv = dense(x, p["qkv"], 1, dense_kernel)  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
@@ -396,14 +403,14 @@ def attention(
     block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
-    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel)
+    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel, prefill_kernel)
     # (h, d) contracted in the weight's memory order: jnp.einsum orders them (d, h), and XLA then copies o
     # transposed every step (a scan's dynamic slice hides that copy; per-layer views do not).
     return dense(out, p["o"], 2, dense_kernel), k_cache, v_cache
 
 
 def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None,
-                  dense_kernel=None):
+                  dense_kernel=None, prefill_kernel=None):
     h, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
         p,
@@ -417,6 +424,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, bloc
         block_size,
         decode_kernel,
         dense_kernel,
+        prefill_kernel,
     )
     x = x + h
     x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p, dense_kernel)
@@ -438,12 +446,14 @@ def stage_forward(
     block_size: int,
     decode_kernel: Callable | None = None,
     dense_kernel: Callable | None = None,
+    prefill_kernel: Callable | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
     ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
     weights replaced by ``"layers"``: a list of per-layer dicts (``layer_views.per_layer``), read in turn.
     ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``).
-    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``)."""
+    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``).
+    ``prefill_kernel``: a hand-written prefill attention (see ``paged_attention``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
@@ -453,7 +463,7 @@ def stage_forward(
     def layer(carry, p, idx):
         x, k_all, v_all = carry
         return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel,
-                             dense_kernel)
+                             dense_kernel, prefill_kernel)
 
     carry = (x, *kv_cache)
     if "layers" in params:  # one array per layer and weight (``layer_views.per_layer``): the layers in turn

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
-from pipejax.runner import cpu_decode_attention, cpu_dense, cpu_dots, layer_views
+from pipejax.runner import cpu_decode_attention, cpu_dense, cpu_dots, cpu_prefill_attention, layer_views
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.checkpoint import load_stage_params, use_panels
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
@@ -51,6 +51,7 @@ class StageRunner:
         decode_layers: str = "auto",
         few_row_dots: str = "auto",
         dense_matmuls: str = "auto",
+        prefill_attention: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -82,6 +83,9 @@ class StageRunner:
             forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
         if self.dense_matmuls == "cpu-kernel":
             forward = functools.partial(forward, dense_kernel=cpu_dense.for_mesh(mesh))
+        self.prefill_attention = self._choose_prefill_attention(prefill_attention)
+        if self.prefill_attention == "cpu-kernel":
+            forward = functools.partial(forward, prefill_kernel=cpu_prefill_attention.for_mesh(mesh))
         self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
                                            out_shardings=(self._replicated, self._cache_shardings()))
         self._step = self._jit_step()
@@ -113,6 +117,14 @@ class StageRunner:
         fits = self.impl is NATIVE and cpu_decode_attention.usable(self.cfg.dtype, list(self.mesh.devices.flat))
         return self._kernel_or_xla("decode_attention", wanted, fits,
                                    "the native model implementation, CPU devices, float32")
+
+    def _choose_prefill_attention(self, wanted: str) -> str:
+        """"cpu-kernel" (``cpu_prefill_attention``) or "xla" for the prefill rows' attention."""
+        devices = list(self.mesh.devices.flat)
+        fits = self.impl is NATIVE and cpu_prefill_attention.usable(self.cfg.dtype, self.cfg.head_dim, devices)
+        return self._kernel_or_xla("prefill_attention", wanted, fits,
+                                   "the native model implementation, CPU devices, float32, a head dim divisible "
+                                   "by 32")
 
     def _choose_dense_matmuls(self, wanted: str) -> str:
         """"cpu-kernel" (dense weights in panels, multiplied by ``cpu_dense``) or "xla" for ``wanted``."""

@@ -1,0 +1,193 @@
+"""The CPU prefill-attention kernel itself: numba code behind an XLA FFI handler (``cpu_prefill_attention`` is the
+JAX side). Imported only when a CPU stage first traces a prefill step, like the other CPU kernels.
+
+One task per (row, KV head), spread over numba's threads: the task copies its queries (every query head of the
+KV head, scaled) and the row's keys and values, read once from the paged cache through the block table, into
+scratch laid out for the dense kernel's register-tiled microkernel (``cpu_dense_kernel``): keys as panels of 32
+context slots [D, 32], values as panels of 32 head-dim columns [C, 32]. Scores and the weighted values are then
+tiles of 8 query rows against those panels, each tile only as far into the context as its last query can see
+(a causal prefill skips about half of the square), with the softmax between them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from pipejax.runner.cpu_dense_kernel import PANEL, rows_times_panel
+from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+
+_ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
+
+
+_LOG2E, _LN2_HI, _LN2_LO = 1.44269504, 0.693359375, -2.12194440e-4
+# exp(r) on [-ln2 / 2, ln2 / 2], Cephes' expf polynomial (relative error below float32's epsilon)
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@intrinsic
+def _as_float(typingctx, bits):
+    """The float32 whose bits are the int32 ``bits``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _bits_of(typingctx, x):
+    """The int32 bits of the float32 ``x``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@numba.njit(fastmath=True, error_model="numpy")
+def _softmax_numerators(row, lo, hi, top):
+    """``row[lo:hi] = exp(row[lo:hi] - top)`` (every value <= 0), and their sum, in one loop that LLVM vectorizes
+    (a call to libm's expf per slot would not be): a polynomial for the mantissa, 2^n added to its exponent bits."""
+    c0, c1, c2, c3, c4, c5 = _EXP_POLY
+    total = np.float32(0.0)
+    for c in range(lo, hi):
+        x = max(row[c] - top, np.float32(-87.0))  # below that exp underflows float32 anyway
+        n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))  # a float32: math.floor gives an int64
+        r = x - n * np.float32(_LN2_HI) - n * np.float32(_LN2_LO)
+        p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+        e = _as_float(_bits_of(p * r * r + r + np.float32(1.0)) + (np.int32(n) << 23))
+        row[c] = e
+        total += e
+    return total
+
+
+@numba.njit(fastmath=True, error_model="numpy", inline="always")
+def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_pos, window, out, r, kh):
+    """Row ``r``'s query heads of KV head ``kh``: q [T, H, D]; k_flat/v_flat: caches [L, N, block_size, K, D]
+    (``cache_shape``) flattened; tables [R, B]; query_start/start_pos [R] (of query slot 0: a row is
+    right-aligned, so both may be negative) -> out [R, Q, H, D]."""
+    T, H, D = q.shape
+    _, Q, _, _ = out.shape
+    blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
+    G = H // K
+    rows = Q * G  # query row j is slot j // G, head kh * G + j % G
+    context = min(tables.shape[1] * block_size, max(start_pos[r] + Q, 1))  # what the row's last slot can see
+    width = -(-context // PANEL) * PANEL
+    slot_stride = K * D
+    block_stride, layer_base = block_size * slot_stride, layer * blocks * block_size * slot_stride
+    scale = np.float32(1.0 / math.sqrt(D))
+
+    qs = np.empty((rows, D), np.float32)
+    for j in range(rows):
+        t = min(max(query_start[r] + j // G, 0), T - 1)
+        h = kh * G + j % G
+        for d in range(D):
+            qs[j, d] = q[t, h, d] * scale
+    keys = np.zeros((width // PANEL, D, PANEL), np.float32)  # keys[p, d, i]: slot p * 32 + i
+    values = np.zeros((D // PANEL, width, PANEL), np.float32)  # values[p, c, i]: column p * 32 + i
+    for c in range(context):
+        base = layer_base + tables[r, c // block_size] * block_stride + (c % block_size) * slot_stride + kh * D
+        for d in range(D):
+            keys[c // PANEL, d, c % PANEL] = k_flat[base + d]
+            values[d // PANEL, c, d % PANEL] = v_flat[base + d]
+
+    scores = np.empty((rows, width), np.float32)
+    acc = np.empty((rows, D), np.float32)
+    totals = np.empty(8, np.float32)
+    for j0 in range(0, rows, 8):
+        m = min(8, rows - j0)
+        seen = min(max(start_pos[r] + (j0 + m - 1) // G, 0) + 1, context)  # slots the tile's last row sees
+        for p in range(-(-seen // PANEL)):
+            rows_times_panel(qs.ctypes.data + j0 * D * 4, D, keys.ctypes.data + p * D * PANEL * 4,
+                             scores.ctypes.data + (j0 * width + p * PANEL) * 4, width, m, D)
+        for j in range(j0, j0 + m):  # softmax over the slots row j sees; zero for the rest of the tile's
+            pos = max(start_pos[r] + j // G, 0)
+            hi = min(pos + 1, context)
+            lo = min(max(0, pos - window + 1), hi - 1) if window > 0 else 0
+            top = scores[j, lo]
+            for c in range(lo + 1, hi):
+                top = max(top, scores[j, c])
+            totals[j - j0] = _softmax_numerators(scores[j], lo, hi, top)
+            for c in range(lo):
+                scores[j, c] = 0.0
+            for c in range(hi, seen):
+                scores[j, c] = 0.0
+        for p in range(D // PANEL):
+            rows_times_panel(scores.ctypes.data + j0 * width * 4, width, values.ctypes.data + p * width * PANEL * 4,
+                             acc.ctypes.data + (j0 * D + p * PANEL) * 4, D, m, seen)
+        for j in range(j0, j0 + m):
+            t, h = j // G, kh * G + j % G
+            inv = np.float32(1.0) / totals[j - j0]
+            for d in range(D):
+                out[r, t, h, d] = acc[j, d] * inv
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _attend_all(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_pos, window, out):
+    """Every (row, KV head) in turn, on the calling thread."""
+    for task in range(out.shape[0] * cache_shape[3]):
+        _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_pos, window, out,
+                task // cache_shape[3], task % cache_shape[3])
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
+def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_pos, window, out):
+    """The (row, KV head) tasks spread over numba's threads (TBB)."""
+    for task in numba.prange(out.shape[0] * cache_shape[3]):
+        _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_pos, window, out,
+                task // cache_shape[3], task % cache_shape[3])
+
+
+@numba.njit(inline="always")
+def _operands(frame):
+    """The call's buffers as the arguments of ``_attend_all``."""
+    args, rets = arguments(frame, _ARGS)
+    q_data, q_dims = buffer(args, 0)
+    k_data, k_dims = buffer(args, 1)
+    v_data, _ = buffer(args, 2)
+    layer_data, _ = buffer(args, 3)
+    t_data, t_dims = buffer(args, 4)
+    qs_data, _ = buffer(args, 5)
+    pos_data, _ = buffer(args, 6)
+    window_data, _ = buffer(args, 7)
+    out_data, out_dims = buffer(rets, 0)
+    k_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
+    k_size = k_dims[0] * k_dims[1] * k_dims[2] * k_dims[3] * k_dims[4]
+    return (
+        numba.carray(q_data, (q_dims[0], q_dims[1], q_dims[2]), np.float32),
+        numba.carray(k_data, (k_size,), np.float32),
+        numba.carray(v_data, (k_size,), np.float32),
+        k_shape,
+        numba.carray(layer_data, (1,), np.int32)[0],
+        numba.carray(t_data, (t_dims[0], t_dims[1]), np.int32),
+        numba.carray(qs_data, (t_dims[0],), np.int32),
+        numba.carray(pos_data, (t_dims[0],), np.int32),
+        numba.carray(window_data, (1,), np.int32)[0],
+        numba.carray(out_data, (out_dims[0], out_dims[1], out_dims[2], out_dims[3]), np.float32),
+    )
+
+
+def _handler(frame_addr):  # compiled by compile_handler; returns null: success
+    frame = frame_of(frame_addr)
+    if not answered(frame):
+        _attend_all(*_operands(frame))
+    return ptr(0)
+
+
+def _handler_parallel(frame_addr):  # the same over numba's threads
+    frame = frame_of(frame_addr)
+    if not answered(frame):
+        _attend_parallel(*_operands(frame))
+    return ptr(0)
+
+
+def compile_handler(parallel: bool = False):
+    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``, cached on disk by numba. Keep the
+    returned object alive as long as XLA may call it. ``parallel``: over numba's threads on TBB."""
+    if parallel:
+        use_tbb()
+    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
