@@ -4,8 +4,8 @@
 XLA:CPU runs ``model.prefill_attention`` as a block-table gather into a contiguous copy, then small batched
 matmuls per query chunk (YNNPACK) with the softmax between them. The kernel reads each row's K/V once from the
 paged cache and multiplies on the dense kernel's register-tiled microkernel, each tile of queries only as far
-into the context as it can see: in a 16 x 128-token prefill (12 layers, 12/4 heads of 64) it took 96-108 ms
-against 135-150 ms for XLA's formulation (``/tmp/s34/pk.py``, alternated, one process, 2026-12-03).
+into the context as it can see: in a 16 x 128-token prefill (12 layers, 12/4 heads of 64) it took 63-80 ms
+against 137-154 ms for XLA's formulation (``/tmp/s34/pk.py``, alternated, one process, 2026-12-03).
 
 Built, like the decode kernel, when a CPU stage first traces a prefill step (cached on disk by numba); where
 numba cannot build it, a warning says so and XLA's formulation is traced instead. Used on CPU for float32

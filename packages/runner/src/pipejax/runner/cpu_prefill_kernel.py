@@ -54,13 +54,14 @@ def _softmax_numerators(row, lo, hi, top):
     (a call to libm's expf per slot would not be): a polynomial for the mantissa, 2^n added to its exponent bits."""
     c0, c1, c2, c3, c4, c5 = _EXP_POLY
     total = np.float32(0.0)
-    for c in range(lo, hi):
-        x = max(row[c] - top, np.float32(-87.0))  # below that exp underflows float32 anyway
+    seg = row[lo:hi]  # indices from 0: numba then drops its negative-index check, which keeps LLVM from vectorizing
+    for c in range(seg.shape[0]):
+        x = max(seg[c] - top, np.float32(-87.0))  # below that exp underflows float32 anyway
         n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))  # a float32: math.floor gives an int64
         r = x - n * np.float32(_LN2_HI) - n * np.float32(_LN2_LO)
         p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
         e = _as_float(_bits_of(p * r * r + r + np.float32(1.0)) + (np.int32(n) << 23))
-        row[c] = e
+        seg[c] = e
         total += e
     return total
 
@@ -87,13 +88,21 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
         h = kh * G + j % G
         for d in range(D):
             qs[j, d] = q[t, h, d] * scale
-    keys = np.zeros((width // PANEL, D, PANEL), np.float32)  # keys[p, d, i]: slot p * 32 + i
+    keys = np.empty((width // PANEL, D, PANEL), np.float32)  # keys[p, d, i]: slot p * 32 + i
     values = np.zeros((D // PANEL, width, PANEL), np.float32)  # values[p, c, i]: column p * 32 + i
+    staged = np.zeros((PANEL, D), np.float32)  # one panel's keys as the cache holds them, then transposed
     for c in range(context):
         base = layer_base + tables[r, c // block_size] * block_stride + (c % block_size) * slot_stride + kh * D
-        for d in range(D):
-            keys[c // PANEL, d, c % PANEL] = k_flat[base + d]
-            values[d // PANEL, c, d % PANEL] = v_flat[base + d]
+        k_slot, v_slot = k_flat[base:base + D], v_flat[base:base + D]  # (slices: see _softmax_numerators)
+        staged[c % PANEL, :] = k_slot
+        for p in range(D // PANEL):
+            values[p, c, :] = v_slot[p * PANEL:(p + 1) * PANEL]
+        if c % PANEL == PANEL - 1 or c == context - 1:
+            if c == context - 1:
+                staged[c % PANEL + 1:, :] = 0.0
+            panel = keys[c // PANEL]
+            for d in range(D):
+                panel[d, :] = staged[:, d]
 
     scores = np.empty((rows, width), np.float32)
     acc = np.empty((rows, D), np.float32)
@@ -108,9 +117,10 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
             pos = max(start_pos[r] + j // G, 0)
             hi = min(pos + 1, context)
             lo = min(max(0, pos - window + 1), hi - 1) if window > 0 else 0
-            top = scores[j, lo]
-            for c in range(lo + 1, hi):
-                top = max(top, scores[j, c])
+            seen_j = scores[j, lo:hi]
+            top = seen_j[0]
+            for c in range(1, seen_j.shape[0]):
+                top = max(top, seen_j[c])
             totals[j - j0] = _softmax_numerators(scores[j], lo, hi, top)
             for c in range(lo):
                 scores[j, c] = 0.0
