@@ -15,55 +15,13 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic
 
 from pipejax.runner.cpu_dense_kernel import PANEL, rows_times_panel
 from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+from pipejax.runner.cpu_vector_exp import exp_shifted_sum
 
 _ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
-
-
-_LOG2E, _LN2_HI, _LN2_LO = 1.44269504, 0.693359375, -2.12194440e-4
-# exp(r) on [-ln2 / 2, ln2 / 2], Cephes' expf polynomial (relative error below float32's epsilon)
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
-
-
-@intrinsic
-def _as_float(typingctx, bits):
-    """The float32 whose bits are the int32 ``bits``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-@intrinsic
-def _bits_of(typingctx, x):
-    """The int32 bits of the float32 ``x``."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
-@numba.njit(fastmath=True, error_model="numpy")
-def _softmax_numerators(row, lo, hi, top):
-    """``row[lo:hi] = exp(row[lo:hi] - top)`` (every value <= 0), and their sum, in one loop that LLVM vectorizes
-    (a call to libm's expf per slot would not be): a polynomial for the mantissa, 2^n added to its exponent bits."""
-    c0, c1, c2, c3, c4, c5 = _EXP_POLY
-    total = np.float32(0.0)
-    seg = row[lo:hi]  # indices from 0: numba then drops its negative-index check, which keeps LLVM from vectorizing
-    for c in range(seg.shape[0]):
-        x = max(seg[c] - top, np.float32(-87.0))  # below that exp underflows float32 anyway
-        n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))  # a float32: math.floor gives an int64
-        r = x - n * np.float32(_LN2_HI) - n * np.float32(_LN2_LO)
-        p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
-        e = _as_float(_bits_of(p * r * r + r + np.float32(1.0)) + (np.int32(n) << 23))
-        seg[c] = e
-        total += e
-    return total
 
 
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
@@ -93,7 +51,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
     staged = np.zeros((PANEL, D), np.float32)  # one panel's keys as the cache holds them, then transposed
     for c in range(context):
         base = layer_base + tables[r, c // block_size] * block_stride + (c % block_size) * slot_stride + kh * D
-        k_slot, v_slot = k_flat[base:base + D], v_flat[base:base + D]  # (slices: see _softmax_numerators)
+        k_slot, v_slot = k_flat[base:base + D], v_flat[base:base + D]  # (slices: see cpu_vector_exp)
         staged[c % PANEL, :] = k_slot
         for p in range(D // PANEL):
             values[p, c, :] = v_slot[p * PANEL:(p + 1) * PANEL]
@@ -121,7 +79,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
             top = seen_j[0]
             for c in range(1, seen_j.shape[0]):
                 top = max(top, seen_j[c])
-            totals[j - j0] = _softmax_numerators(scores[j], lo, hi, top)
+            totals[j - j0] = exp_shifted_sum(scores[j], lo, hi, top)
             for c in range(lo):
                 scores[j, c] = 0.0
             for c in range(hi, seen):
