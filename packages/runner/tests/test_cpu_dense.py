@@ -50,6 +50,25 @@ def test_a_layer_of_stacked_panels(rows):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {layer}, kernel={kernel}")
 
 
+@pytest.mark.parametrize("rows", [1, 7, 130])
+def test_gated_silu_and_multiply(rows):
+    """An MLP's gate_up [in, 2, F]: silu(gate) * up straight from the kernel (row blocks of GLU_ROWS: 130 rows
+    take two), and from XLA's dot over panels and over the weight's own layout, against numpy."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 40), np.float32)
+    ws = rng.standard_normal((2, 40, 2, 96), np.float32)
+    stack = jax.numpy.asarray(np.stack([_in_panels(w, 1) for w in ws]))
+    step = jax.jit(lambda x, i, kernel: dense(x, Panels(stack, i), 1, kernel, gated=True), static_argnums=2)
+    for layer, w in enumerate(ws):
+        y = np.tensordot(x.astype(np.float64), w.astype(np.float64), 1)
+        want = y[:, 0] / (1 + np.exp(-y[:, 0])) * y[:, 1]
+        for kernel in (cpu_dense.matmul, None):
+            got = np.asarray(step(x, np.int32(layer), kernel))
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {layer}, kernel={kernel}")
+        plain = jax.jit(lambda x, w: dense(x, w, 1, None, gated=True))(x, jax.numpy.asarray(w))
+        np.testing.assert_allclose(np.asarray(plain), want, rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_is_built():
     """The kernel itself runs in the test above, not XLA's fallback: numba builds the handler here."""
     assert cpu_dense.prepare()

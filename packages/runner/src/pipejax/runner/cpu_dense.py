@@ -44,11 +44,15 @@ def for_mesh(mesh: Mesh) -> Callable | None:
     return matmul if mesh.devices.size == 1 else None
 
 
-def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
-    ``layer`` (the whole stack goes in: a slice of it would be a copy)."""
+    ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
+    a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
+    each pair of output tiles is still in cache (an MLP's gate_up: XLA would write both halves out and read them
+    back)."""
     n = panels.shape[1] * panels.shape[3]
     if _handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        return jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, panels, jnp.asarray(layer, jnp.int32))
+        y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
+        return jax.nn.silu(y[:, : n // 2]) * y[:, n // 2:] if gated else y
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
+    return call(x, panels, jnp.asarray(layer, jnp.int32), jnp.int32(gated))

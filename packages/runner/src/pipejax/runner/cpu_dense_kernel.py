@@ -18,6 +18,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+from pipejax.runner.cpu_vector_exp import exp_f32
 
 LANES = 16  # float32 lanes of an AVX-512 register
 PANEL = 2 * LANES  # output columns per panel: two registers per row of a tile
@@ -120,6 +121,45 @@ def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels):
         rows_times_panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m, kc)
 
 
+GLU_ROWS = 128  # rows per block of the gated matmul: a block's gate and up tiles (16 KB each) stay in L1/L2
+
+
+@numba.njit(fastmath=True, error_model="numpy", inline="always")
+def _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up):
+    """out[:, p * 32:][:32] = silu(x @ panel p) * (x @ panel p + half), ``half`` panels apart (gate, then up), in
+    blocks of GLU_ROWS rows; ``gate``/``up`` [GLU_ROWS, 32] scratch."""
+    panel = kc * PANEL * 4
+    for b0 in range(0, m, GLU_ROWS):
+        rows = min(GLU_ROWS, m - b0)
+        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + p * panel, gate.ctypes.data, PANEL, rows, kc)
+        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + (p + half) * panel, up.ctypes.data, PANEL, rows, kc)
+        for i in range(rows):
+            o, g, u = out[b0 + i, p * PANEL:(p + 1) * PANEL], gate[i], up[i]
+            for c in range(PANEL):
+                o[c] = g[c] / (np.float32(1.0) + exp_f32(-g[c])) * u[c]
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _glu(x_addr, w_addr, out_addr, m, kc, panels):
+    """out [m, panels / 2 * 32] = silu(x @ gate) * (x @ up) for w [panels, kc, 32]: gate's panels, then up's; on
+    the calling thread."""
+    half = panels // 2
+    out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
+    gate, up = np.empty((GLU_ROWS, PANEL), np.float32), np.empty((GLU_ROWS, PANEL), np.float32)
+    for p in range(half):
+        _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
+def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
+    """The same with the panel pairs spread over numba's threads (TBB)."""
+    half = panels // 2
+    out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
+    for p in numba.prange(half):
+        gate, up = np.empty((GLU_ROWS, PANEL), np.float32), np.empty((GLU_ROWS, PANEL), np.float32)
+        _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up)
+
+
 @intrinsic
 def _addr(typingctx, p):
     def codegen(context, builder, signature, args):
@@ -130,29 +170,39 @@ def _addr(typingctx, p):
 
 @numba.njit(inline="always")
 def _operands(frame):
-    """x's address, layer ``layer``'s panels' address, out's; rows, contraction and panels (x [M, Kc], w [L, P,
-    Kc, PANEL], layer an int32 scalar)."""
-    args, rets = arguments(frame, 3)
+    """Whether the call is gated (SiLU-and-multiply); x's address, layer ``layer``'s panels' address, out's;
+    rows, contraction and panels (x [M, Kc], w [L, P, Kc, PANEL], layer and gated int32 scalars)."""
+    args, rets = arguments(frame, 4)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
     layer_data, _ = buffer(args, 2)
+    gated_data, _ = buffer(args, 3)
     out_data, _ = buffer(rets, 0)
     layer = numba.carray(layer_data, (1,), np.int32)[0]
     w_addr = _addr(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
-    return _addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1]
+    gated = numba.carray(gated_data, (1,), np.int32)[0] != 0
+    return gated, (_addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1])
 
 
 def _handler(frame_addr):  # compiled by compile_handler; returns null: success
     frame = frame_of(frame_addr)
     if not answered(frame):
-        _matmul(*_operands(frame))
+        gated, operands = _operands(frame)
+        if gated:
+            _glu(*operands)
+        else:
+            _matmul(*operands)
     return ptr(0)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
     frame = frame_of(frame_addr)
     if not answered(frame):
-        _matmul_parallel(*_operands(frame))
+        gated, operands = _operands(frame)
+        if gated:
+            _glu_parallel(*operands)
+        else:
+            _matmul_parallel(*operands)
     return ptr(0)
 
 

@@ -227,29 +227,36 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return x * cos + rotated * sin
 
 
-def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
+          gated: bool = False) -> jax.Array:
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
     with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in
-    panels."""
+    panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result silu(gate) * up [T, *rest]."""
     if not isinstance(w, Panels):
-        return jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
+        y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
+        return _silu_and_multiply(y) if gated else y
     data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL], or [L, ...] of those with ``w.layer``
     outs = data.shape[int(w.layer is not None): data.ndim - contracted - 1]
     out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
     if kernel is not None:
         flat = x.reshape(x.shape[0], -1)  # [T, Kc]
         layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
-        return kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer).reshape(out_shape)
+        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated)
+        return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
     if w.layer is not None:
         data = data[w.layer]
     ins = tuple(range(len(outs), len(outs) + contracted))
     y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
-    return y.reshape(out_shape)
+    return _silu_and_multiply(y.reshape(out_shape)) if gated else y.reshape(out_shape)
+
+
+def _silu_and_multiply(gate_up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
 
 
 def mlp(x: jax.Array, p: dict[str, jax.Array], dense_kernel: Callable | None = None) -> jax.Array:
-    gate_up = dense(x, p["gate_up"], 1, dense_kernel)  # [T, 2, F]
-    return dense(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], p["down"], 1, dense_kernel)  # [T, E]
+    act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # silu(gate) * up [T, F]
+    return dense(act, p["down"], 1, dense_kernel)  # [T, E]
 
 
 # --- paged attention over one ragged batch ----------------------------------------------------
