@@ -564,6 +564,15 @@ class Report:
                              f"{fmt(kab['prefill']['xla_ms'], 0)} ms on XLA's dot over [in, out] weights, "
                              "alternated."
                              if "prefill" in kab else "")]
+        pab = dd.get("prefill_attention_vs_xla")
+        if pab:
+            out += ["", "The prefill rows' attention runs on a hand-written CPU kernel too "
+                    "(`StageRunner(prefill_attention=...)`, `pipejax.runner.cpu_prefill_attention`): one task per "
+                    "(row, KV head) reads the row's K and V once from the paged cache and multiplies on the dense "
+                    "kernel's microkernel, each tile of queries only as far into the context as it sees. The "
+                    f"2048-token prefill forward took {fmt(pab['kernel_ms'], 0)} ms with it against "
+                    f"{fmt(pab['xla_ms'], 0)} ms with XLA's formulation (a block-table gather, then small batched "
+                    "matmuls), alternated."]
         if dd.get("few_row_dots") and dd.get("dense_matmuls", "xla") == "xla":
             lo, hi = dd["few_row_dots_rows"]
             out += ["", f"Decode steps of {lo}-{hi} rows ran their dots on **{dd['few_row_dots']}** here "

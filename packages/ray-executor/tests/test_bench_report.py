@@ -208,7 +208,8 @@ def test_render_with_the_dense_kernel(tmp_path):
                                         "kernel_ms": s(140, 150)}},
                 "dense_kernel_vs_xla": {"1": {"kernel_ms": s(25, 26), "xla_ms": s(29, 30)},
                                         "64": {"kernel_ms": s(280, 290), "xla_ms": s(330, 340)},
-                                        "prefill": {"kernel_ms": s(2400, 2420), "xla_ms": s(2390, 2430)}}})
+                                        "prefill": {"kernel_ms": s(2400, 2420), "xla_ms": s(2390, 2430)}},
+               "prefill_attention_vs_xla": {"kernel_ms": s(2300, 2320), "xla_ms": s(2380, 2400)}})
     dd["matmul_share_64"]["kernel"] = s(0.85, 0.87)
     dd["decode"]["1"]["ratio"] = s(1.4, 1.45)  # over its goal: the batch-1 bound is written out
     data["throughput"]["breakdown"]["parts_floor"]["dots"] = "cpu-kernel"
@@ -221,6 +222,8 @@ def test_render_with_the_dense_kernel(tmp_path):
     assert "145 ms at batch 64 on the CPU dense kernel, as the runner's decode steps run them" in text
     assert ("A 2048-token prefill forward on the kernel took 2410 [2400–2420] ms against 2410 [2390–2430] ms on "
             "XLA's dot over [in, out] weights") in text
+    assert ("The 2048-token prefill forward took 2310 [2300–2320] ms with it against 2390 [2380–2400] ms with XLA's "
+            "formulation") in text
     assert "and pipejax's CPU kernel's at 0.86 [0.85–0.87]: a 64-row matmul runs below" in text
     # at the kernel's share: 134.7 ms / 0.86 = 156.6 ms, + 61.5 ms of K/V = 218.1 ms of the 127.5 ms floor
     assert "the matmuls alone take 157 ms of a 128 ms floor" in text and "1.71× it" in text

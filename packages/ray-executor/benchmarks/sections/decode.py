@@ -64,7 +64,7 @@ def kv_bytes(cfg, batch: int, slots: int) -> int:
 
 class DecodeBench:
     def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
-                 dense_matmuls: str = "auto"):
+                 dense_matmuls: str = "auto", prefill_attention: str = "auto"):
         import jax
 
         from pipejax.pp_utils import stage_mesh
@@ -78,7 +78,7 @@ class DecodeBench:
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
         self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
                                   decode_attention=decode_attention, decode_layers=decode_layers,
-                                  dense_matmuls=dense_matmuls)
+                                  dense_matmuls=dense_matmuls, prefill_attention=prefill_attention)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 
@@ -435,6 +435,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 times["xla_ms"].append(statistics.median(timed(theirs, reps)) * 1e3)
         dense_ab = {n: {k: summary(v) for k, v in times.items()} for n, times in ab.items()}
         del xla_dots, xla_prefill
+    # The prefill forward with its attention on the CPU prefill kernel (the runner's default on CPU) against XLA's
+    # formulation (a block-table gather, then YNNPACK's small batched matmuls), alternated.
+    attention_ab = None
+    if bench.runner.prefill_attention == "cpu-kernel":
+        xla_attention = DecodeBench(bench_model(), [b], prefill_attention="xla")
+        xla_attention_prefill = xla_attention.prefill_forward()
+        xla_attention_prefill()  # compile
+        times = {"kernel_ms": [], "xla_ms": []}
+        for _ in range(3):
+            times["kernel_ms"].append(statistics.median(timed(prefill, 3)) * 1e3)
+            times["xla_ms"].append(statistics.median(timed(xla_attention_prefill, 3)) * 1e3)
+        attention_ab = {k: summary(v) for k, v in times.items()}
+        del xla_attention, xla_attention_prefill
     # The same step with XLA's formulation of the decode attention (the block-table gather), side by side.
     xla_parts = None
     if bench.runner.decode_attention != "xla":
@@ -468,6 +481,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dense_matmuls": bench_dense,  # the runner's choice: "cpu-kernel" (weights in panels) or "xla"
         "kernel_dense_matmuls_ms": layer_loop[b]["kernel_ms"],  # the CPU dense kernel over panels, same rounds
         "dense_kernel_vs_xla": dense_ab,  # the runner's decode step both ways, alternated
+        "prefill_attention_vs_xla": attention_ab,  # the prefill forward, its attention both ways, alternated
         "few_row_dots": bench_dots,
         "few_row_dots_rows": list(cpu_dots.FEW_ROWS),
         "unrolled_vs_scan": layers_ab,
