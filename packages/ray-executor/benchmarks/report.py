@@ -500,7 +500,8 @@ class Report:
         out = ["## Decode step vs the machine's floor", ""]
         out += [f"Runner step (pp1 tp1, fp32, {dd['context']} tokens of context per request, sampling included). "
                 f"Measured in the same repeats: matmul {fmt(dd['matmul_gflops'])} GFLOP/s (2048³ fp32"
-                + ("; in each repeat the higher of a probe before its steps and one after them, as read: "
+                + ("; in each repeat the higher of a probe between its prefill and its decode steps and one after "
+                   "the steps, as read: "
                    + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in dd["matmul_gflops_before_after"])
                    + " — this host's speed swings between phases of seconds"
                    if dd.get("matmul_gflops_before_after") else "")

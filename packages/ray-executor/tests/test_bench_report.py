@@ -215,8 +215,8 @@ def test_render_with_the_dense_kernel(tmp_path):
     data["throughput"]["breakdown"]["parts_floor"]["dots"] = "cpu-kernel"
     dd["matmul_gflops_before_after"] = [[90.0, 95.5], [100.0, 60.2]]
     text = render(tmp_path, data)
-    assert ("in each repeat the higher of a probe before its steps and one after them, as read: 90/96, 100/60 — "
-            "this host's speed swings") in text
+    assert ("in each repeat the higher of a probe between its prefill and its decode steps and one after the steps, "
+            "as read: 90/96, 100/60 — this host's speed swings") in text
     assert "The dense matmuls alone, same rounds, median ms: batch 1: kernel 15.5 [15.0–16.0], XLA's dot" in text
     assert "decode step both ways, alternated, median ms: batch 1: kernel 25.5 [25.0–26.0], XLA's dot 29.5" in text
     assert "145 ms at batch 64 on the CPU dense kernel, as the runner's decode steps run them" in text

@@ -341,11 +341,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_repeat: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
     rates_all, prefill_share, prefill_ms = [], [], []
     for _ in range(args.repeats):
-        # The 2048³ rate before and after the repeat's steps, the higher one taken: this host's speed swings
-        # between phases of seconds (one run's probes read 104, 107 and 180 GFLOP/s), and a probe in a slow
-        # phase would put the floor above steps timed in a fast one.
-        rates = machine_rates(3)
+        # The 2048³ rate between the prefill and the decode steps and after the steps, the higher one taken: this
+        # host's speed swings between phases of seconds (one run's probes read 104, 107 and 180 GFLOP/s), and a
+        # probe in a slow phase would put the floor above steps timed in a fast one. The prefill is timed before
+        # the probes: right after the bandwidth probe's GiB arrays it ran 14% slower (1943 against 1705 ms, four
+        # rounds alternated in one process, 2026-12-03), which would measure the probe, not the step.
         t = statistics.median(timed(prefill, 3))
+        rates = machine_rates(3)
         step_s = {b: statistics.median(timed(lambda b=b: bench.step(b), steps)) for b in batches}
         rates["flops_before"], rates["flops_after"] = rates["flops"], matmul_rate(3)
         rates["flops"] = max(rates["flops_before"], rates["flops_after"])
