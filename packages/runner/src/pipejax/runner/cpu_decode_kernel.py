@@ -12,9 +12,8 @@ import math
 
 import numba
 import numpy as np
-from numba import types
 
-from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
 from pipejax.runner.cpu_vector_exp import exp_shifted_sum
 
 _ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
@@ -158,9 +157,5 @@ def _handler_parallel(frame_addr):  # the same over numba's threads
 
 
 def compile_handler(parallel: bool = False):
-    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``; numba caches it on disk (about 3 s
-    the first time, about 1 s after). Keep the returned object alive as long as XLA may call it.
-    ``parallel``: spread the rows over numba's threads on TBB (raises where TBB cannot be loaded)."""
-    if parallel:
-        use_tbb()
-    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
+    """The handler compiled (``cpu_ffi.compile_cfunc``); ``parallel``: over numba's threads on TBB."""
+    return compile_cfunc(_handler_parallel if parallel else _handler, parallel)

@@ -83,3 +83,13 @@ def use_tbb() -> None:
     numba.get_num_threads()
     if numba.threading_layer() != "tbb":
         raise RuntimeError(f"numba's threading layer is {numba.threading_layer()!r}, not 'tbb'")
+
+
+def compile_cfunc(handler, parallel: bool):
+    """``handler`` (``XLA_FFI_Error* (XLA_FFI_CallFrame*)``, a module-level function: numba caches the cfunc of
+    nothing else, so each kernel keeps its own pair of handlers) compiled as a C function, cached on disk by
+    numba. ``parallel``: the handler runs numba's parallel loops, on TBB (raises where TBB cannot be loaded). Keep
+    the returned object alive as long as XLA may call it."""
+    if parallel:
+        use_tbb()
+    return numba.cfunc(types.voidptr(types.int64), cache=True)(handler)

@@ -15,10 +15,9 @@ import math
 
 import numba
 import numpy as np
-from numba import types
 
 from pipejax.runner.cpu_dense_kernel import PANEL, rows_times_panel
-from pipejax.runner.cpu_ffi import answered, arguments, buffer, frame_of, ptr, use_tbb
+from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
 from pipejax.runner.cpu_vector_exp import exp_shifted_sum
 
 _ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
@@ -154,8 +153,5 @@ def _handler_parallel(frame_addr):  # the same over numba's threads
 
 
 def compile_handler(parallel: bool = False):
-    """The handler as a C function ``XLA_FFI_Error* (XLA_FFI_CallFrame*)``, cached on disk by numba. Keep the
-    returned object alive as long as XLA may call it. ``parallel``: over numba's threads on TBB."""
-    if parallel:
-        use_tbb()
-    return numba.cfunc(types.voidptr(types.int64), cache=True)(_handler_parallel if parallel else _handler)
+    """The handler compiled (``cpu_ffi.compile_cfunc``); ``parallel``: over numba's threads on TBB."""
+    return compile_cfunc(_handler_parallel if parallel else _handler, parallel)
