@@ -99,20 +99,27 @@ def test_each_device_runs_its_own_heads():
 
 
 def test_the_runner_takes_the_kernel_on_cpu(tmp_path):
-    """"auto": the kernel on CPU stages at tp = 1 and 2; "xla" keeps XLA's formulation; a choice that does not
-    exist says what to use."""
+    """"auto": the kernel on CPU stages at tp = 1 and 2 where the head dim is whole panels (32); XLA's formulation
+    below that (16), where asking for the kernel says why; "xla" keeps XLA's; a choice that does not exist says
+    what to use."""
     from hf_oracle import make_hf_checkpoint
 
     from pipejax.pp_utils import stage_mesh
     from pipejax.runner.config import CacheConfig
     from pipejax.runner.runner import StageRunner
 
-    make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
+    panels, small = tmp_path / "head32", tmp_path / "head16"
+    make_hf_checkpoint(panels, "LlamaForCausalLM", max_position_embeddings=64, hidden_size=128)
+    make_hf_checkpoint(small, "LlamaForCausalLM", max_position_embeddings=64)
     cache = CacheConfig(num_blocks=8)
-    for devices in (1, 2):
-        runner = StageRunner(tmp_path, stage_mesh(jax.devices()[:devices]), cache=cache)
-        assert runner.prefill_attention == ("cpu-kernel" if runner.cfg.head_dim % 32 == 0 else "xla")
     one = stage_mesh(jax.devices()[:1])
-    assert StageRunner(tmp_path, one, cache=cache, prefill_attention="xla").prefill_attention == "xla"
+    for devices in (1, 2):
+        runner = StageRunner(panels, stage_mesh(jax.devices()[:devices]), cache=cache)
+        assert runner.cfg.head_dim == 32 and runner.prefill_attention == "cpu-kernel"
+    runner = StageRunner(small, one, cache=cache)
+    assert runner.cfg.head_dim == 16 and runner.prefill_attention == "xla"
+    with pytest.raises(ValueError, match="prefill_attention='cpu-kernel' needs .* a head dim divisible by 32"):
+        StageRunner(small, one, cache=cache, prefill_attention="cpu-kernel")
+    assert StageRunner(panels, one, cache=cache, prefill_attention="xla").prefill_attention == "xla"
     with pytest.raises(ValueError, match="prefill_attention='flash'; use 'auto', 'xla' or 'cpu-kernel'"):
-        StageRunner(tmp_path, one, cache=cache, prefill_attention="flash")
+        StageRunner(panels, one, cache=cache, prefill_attention="flash")

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
-from pipejax.runner.cpu_vector_exp import exp_shifted_sum
+from pipejax.runner.cpu_vector_exp import softmax_numerators
 
 _ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
 
@@ -62,11 +62,7 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
                     s += qs[h, d] * key[d]
                 scores[h, c] = s
     for h in range(h_lo, h_hi):
-        seen = scores[h, lo:hi]  # indexed from 0: see cpu_vector_exp
-        top = seen[0]
-        for c in range(1, seen.shape[0]):
-            top = max(top, seen[c])
-        totals[h] = exp_shifted_sum(scores[h], lo, hi, top)
+        totals[h] = softmax_numerators(scores[h], lo, hi)
         for d in range(D):
             acc[h, d] = 0.0
     for b in range(lo // block_size, (hi - 1) // block_size + 1):

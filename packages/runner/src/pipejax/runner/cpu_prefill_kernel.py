@@ -18,7 +18,7 @@ import numpy as np
 
 from pipejax.runner.cpu_dense_kernel import PANEL, rows_times_panel
 from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
-from pipejax.runner.cpu_vector_exp import exp_shifted_sum
+from pipejax.runner.cpu_vector_exp import softmax_numerators
 
 _ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
 
@@ -46,7 +46,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
         for d in range(D):
             qs[j, d] = q[t, h, d] * scale
     keys = np.empty((width // PANEL, D, PANEL), np.float32)  # keys[p, d, i]: slot p * 32 + i
-    values = np.zeros((D // PANEL, width, PANEL), np.float32)  # values[p, c, i]: column p * 32 + i
+    values = np.empty((D // PANEL, width, PANEL), np.float32)  # values[p, c, i]: column p * 32 + i (c < context)
     staged = np.zeros((PANEL, D), np.float32)  # one panel's keys as the cache holds them, then transposed
     for c in range(context):
         base = layer_base + tables[r, c // block_size] * block_stride + (c % block_size) * slot_stride + kh * D
@@ -74,11 +74,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
             pos = max(start_pos[r] + j // G, 0)
             hi = min(pos + 1, context)
             lo = min(max(0, pos - window + 1), hi - 1) if window > 0 else 0
-            seen_j = scores[j, lo:hi]
-            top = seen_j[0]
-            for c in range(1, seen_j.shape[0]):
-                top = max(top, seen_j[c])
-            totals[j - j0] = exp_shifted_sum(scores[j], lo, hi, top)
+            totals[j - j0] = softmax_numerators(scores[j], lo, hi)
             for c in range(lo):
                 scores[j, c] = 0.0
             for c in range(hi, seen):

@@ -41,7 +41,7 @@ def _bits_of(typingctx, x):
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
 def exp_f32(x):
     """exp(x) for a float32 ``x``, clamped to [-87, 88] (float32's normal range): a polynomial for the mantissa,
-    2^n added to its exponent bits (relative error below 2e-7)."""
+    2^n added to its exponent bits (relative error below 3e-7 against numpy's, test_cpu_vector_exp)."""
     c0, c1, c2, c3, c4, c5 = _EXP_POLY
     x = min(max(x, np.float32(-87.0)), np.float32(88.0))
     n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))  # a float32: math.floor gives an int64
@@ -51,10 +51,14 @@ def exp_f32(x):
 
 
 @numba.njit(fastmath=True, error_model="numpy")
-def exp_shifted_sum(row, lo, hi, top):
-    """``row[lo:hi] = exp(row[lo:hi] - top)`` and their sum, in one loop that LLVM vectorizes."""
-    total = np.float32(0.0)
+def softmax_numerators(row, lo, hi):
+    """``row[lo:hi] = exp(row[lo:hi] - max(row[lo:hi]))`` and their sum (the softmax's denominator), in loops that
+    LLVM vectorizes."""
     seg = row[lo:hi]  # indexed from 0 (see the module's note)
+    top = seg[0]
+    for c in range(1, seg.shape[0]):
+        top = max(top, seg[c])
+    total = np.float32(0.0)
     for c in range(seg.shape[0]):
         e = exp_f32(seg[c] - top)
         seg[c] = e
