@@ -217,14 +217,25 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x [T, N, D] rotated by positions [T] (half-split layout, as Hugging Face)."""
+class RopeTables(NamedTuple):
+    """cos and signed sin [T, 1, D] of the step's positions, computed once per step, not per layer and head (XLA:CPU
+    fuses a cos of [T, D] into its [T, H, D] consumer, computing it again for every head of every layer)."""
+
+    cos: jax.Array
+    sin: jax.Array  # -sin on the first half of D, +sin on the second: rotate-half's sign folded in
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, dtype) -> RopeTables:
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
-    cos, sin = jnp.cos(emb).astype(x.dtype)[:, None, :], jnp.sin(emb).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    return RopeTables(jnp.concatenate([cos, cos], axis=-1).astype(dtype)[:, None, :],
+                      jnp.concatenate([-sin, sin], axis=-1).astype(dtype)[:, None, :])
+
+
+def apply_rope(x: jax.Array, rope: RopeTables) -> jax.Array:
+    """x [T, N, D] rotated (half-split layout, as Hugging Face): x * cos + swap_halves(x) * signed sin."""
+    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)
+    return x * rope.cos + swapped * rope.sin
 
 
 def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
@@ -391,7 +402,7 @@ def attention(
     layer: jax.Array,
     inp: StepInputs,
     cfg: ModelConfig,
-    inv_freq: jax.Array,
+    rope: RopeTables,
     shape: StepShape,
     block_size: int,
     decode_kernel: Callable | None = None,
@@ -406,7 +417,7 @@ def attention(
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, inp.positions, inv_freq), apply_rope(k, inp.positions, inv_freq)
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
     block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
@@ -416,7 +427,7 @@ def attention(
     return dense(out, p["o"], 2, dense_kernel), k_cache, v_cache
 
 
-def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, block_size, decode_kernel=None,
+def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, rope, shape, block_size, decode_kernel=None,
                   dense_kernel=None, prefill_kernel=None):
     h, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
@@ -426,7 +437,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, inv_freq, shape, bloc
         layer,
         inp,
         cfg,
-        inv_freq,
+        rope,
         shape,
         block_size,
         decode_kernel,
@@ -465,11 +476,11 @@ def stage_forward(
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
-    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    rope = rope_tables(inp.positions, jnp.asarray(rope_inv_freq(cfg)), x.dtype)
 
     def layer(carry, p, idx):
         x, k_all, v_all = carry
-        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, inv_freq, shape, block_size, decode_kernel,
+        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, rope, shape, block_size, decode_kernel,
                              dense_kernel, prefill_kernel)
 
     carry = (x, *kv_cache)
