@@ -1,6 +1,8 @@
 """The CPU dense-matmul kernel (an XLA FFI custom call compiled by numba) and ``model.dense`` over weights in
 panels, against numpy's matmul of the same weight in its own layout."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -67,6 +69,33 @@ def test_gated_silu_and_multiply(rows):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {layer}, kernel={kernel}")
         plain = jax.jit(lambda x, w: dense(x, w, 1, None, gated=True))(x, jax.numpy.asarray(w))
         np.testing.assert_allclose(np.asarray(plain), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 64])
+def test_residual_added_in_place(rows):
+    """residual + x @ w (a decoder layer's o and down projections): the kernel adds each finished tile to the
+    residual, so the result is bit for bit the product plus the residual, as XLA's add after the dot would give;
+    two contracted dims, as o has; a residual still used after the call is left as it was."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 4, 16), np.float32)
+    ws = rng.standard_normal((2, 4, 16, 96), np.float32)
+    residual = jax.numpy.asarray(rng.standard_normal((rows, 96), np.float32))
+    stack = jax.numpy.asarray(np.stack([_in_panels(w, 2) for w in ws]))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def step(x, i, kernel):
+        product = dense(x, Panels(stack, i), 2, kernel)
+        return dense(x, Panels(stack, i), 2, kernel, residual=residual), product, residual * 1.0
+
+    for layer, w in enumerate(ws):
+        want = np.asarray(residual, np.float64) + np.tensordot(x.astype(np.float64), w.astype(np.float64), 2)
+        for kernel in (cpu_dense.matmul, None):
+            got, product, kept = (np.asarray(a) for a in step(x, np.int32(layer), kernel))
+            np.testing.assert_array_equal(got, np.asarray(residual) + product, err_msg=f"kernel={kernel}")
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {layer}, kernel={kernel}")
+            np.testing.assert_array_equal(kept, np.asarray(residual))
+    with pytest.raises(ValueError, match="gated matmul takes no residual"):
+        cpu_dense.matmul(x.reshape(rows, -1), stack.reshape(2, 3, 64, PANEL), 0, True, residual)
 
 
 def test_kernel_is_built():

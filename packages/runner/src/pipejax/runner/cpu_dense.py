@@ -44,15 +44,29 @@ def for_mesh(mesh: Mesh) -> Callable | None:
     return matmul if mesh.devices.size == 1 else None
 
 
-def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False) -> jax.Array:
+# What a kernel call computes (its int32 mode operand): x @ w; silu(gate) * up; residual + x @ w, written over the
+# residual (a decoder layer's o and down projections).
+PLAIN, GATED, ADD = 0, 1, 2
+
+
+def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
+           residual: jax.Array | None = None) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
     each pair of output tiles is still in cache (an MLP's gate_up: XLA would write both halves out and read them
-    back)."""
+    back). ``residual`` [M, P * PANEL]: the result is residual + x @ w, the kernel adding each output tile to the
+    residual in place (XLA's add would read the product back from memory written by another thread)."""
     n = panels.shape[1] * panels.shape[3]
+    if gated and residual is not None:
+        raise ValueError("a gated matmul takes no residual")
     if _handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32:
         y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
-        return jax.nn.silu(y[:, : n // 2]) * y[:, n // 2:] if gated else y
+        y = jax.nn.silu(y[:, : n // 2]) * y[:, n // 2:] if gated else y
+        return y if residual is None else residual + y
+    layer = jnp.asarray(layer, jnp.int32)
+    if residual is not None:
+        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32), input_output_aliases={4: 0})
+        return call(x, panels, layer, jnp.int32(ADD), residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
-    return call(x, panels, jnp.asarray(layer, jnp.int32), jnp.int32(gated))
+    return call(x, panels, layer, jnp.int32(GATED if gated else PLAIN))

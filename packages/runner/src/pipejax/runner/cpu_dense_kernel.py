@@ -17,6 +17,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from pipejax.runner.cpu_dense import ADD, GATED
 from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
 from pipejax.runner.cpu_vector_exp import exp_f32
 
@@ -25,9 +26,10 @@ PANEL = 2 * LANES  # output columns per panel: two registers per row of a tile
 ROW_TILES = (8, 4, 2, 1)  # rows per microkernel call: 8 rows x 2 registers = 16 accumulators
 
 
-def _microkernel(rows: int):
+def _microkernel(rows: int, add: bool):
     """An intrinsic ``(x, ldx, w, out, ldo, kc)`` (addresses, strides in floats): ``out[r, :32] = sum_k x[r, k]
-    * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]."""
+    * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]. ``add``: ``out[r, :32] +=`` instead, the sum
+    added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot)."""
 
     @intrinsic
     def kernel(typingctx, x, ldx, w, out, ldo, kc):
@@ -76,7 +78,9 @@ def _microkernel(rows: int):
             for r in range(rows):
                 for h in range(2):
                     at = builder.add(builder.mul(ir.Constant(i64, r), ldo), ir.Constant(i64, LANES * h))
-                    builder.store(sums[2 * r + h], builder.bitcast(builder.gep(out0, [at]), vec.as_pointer()), align=4)
+                    dest = builder.bitcast(builder.gep(out0, [at]), vec.as_pointer())
+                    total = builder.fadd(builder.load(dest, align=4), sums[2 * r + h]) if add else sums[2 * r + h]
+                    builder.store(total, dest, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -84,41 +88,55 @@ def _microkernel(rows: int):
     return kernel
 
 
-_ROWS_8, _ROWS_4, _ROWS_2, _ROWS_1 = (_microkernel(r) for r in ROW_TILES)
+def _row_tiles(add: bool):
+    """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height."""
+    rows_8, rows_4, rows_2, rows_1 = (_microkernel(r, add) for r in ROW_TILES)
+
+    @numba.njit(inline="always")
+    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc):
+        i = 0
+        while i + 8 <= m:
+            rows_8(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += 8
+        if i + 4 <= m:
+            rows_4(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += 4
+        if i + 2 <= m:
+            rows_2(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += 2
+        if i < m:
+            rows_1(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+
+    return tiles
+
+
+# ``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w`` [kc, 32]:
+# tiles of 8 rows, then 4, 2 and 1 for the rest. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``.
+rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
 
 
 @numba.njit(inline="always")
-def rows_times_panel(x_addr, ldx, w_addr, out_addr, ldo, m, kc):
-    """``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w``
-    [kc, 32]: tiles of 8 rows, then 4, 2 and 1 for the rest."""
-    i = 0
-    while i + 8 <= m:
-        _ROWS_8(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-        i += 8
-    if i + 4 <= m:
-        _ROWS_4(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-        i += 4
-    if i + 2 <= m:
-        _ROWS_2(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-        i += 2
-    if i < m:
-        _ROWS_1(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add):
+    n = panels * PANEL
+    w_p, out_p = w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4
+    if add:
+        rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc)
+    else:
+        rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc)
 
 
 @numba.njit(cache=True)
-def _matmul(x_addr, w_addr, out_addr, m, kc, panels):
-    """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32], on the calling thread."""
-    n = panels * PANEL
+def _matmul(x_addr, w_addr, out_addr, m, kc, panels, add):
+    """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32] (``add``: +=), on the calling thread."""
     for p in range(panels):
-        rows_times_panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m, kc)
+        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add)
 
 
 @numba.njit(cache=True, parallel=True)
-def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels):
+def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, add):
     """The same with the panels spread over numba's threads (TBB)."""
-    n = panels * PANEL
     for p in numba.prange(panels):
-        rows_times_panel(x_addr, kc, w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4, n, m, kc)
+        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add)
 
 
 GLU_ROWS = 128  # rows per block of the gated matmul: a block's gate and up tiles (16 KB each) stay in L1/L2
@@ -170,39 +188,40 @@ def _addr(typingctx, p):
 
 @numba.njit(inline="always")
 def _operands(frame):
-    """Whether the call is gated (SiLU-and-multiply); x's address, layer ``layer``'s panels' address, out's;
-    rows, contraction and panels (x [M, Kc], w [L, P, Kc, PANEL], layer and gated int32 scalars)."""
+    """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``); x's address, layer ``layer``'s panels'
+    address, out's; rows, contraction and panels (x [M, Kc], w [L, P, Kc, PANEL], layer and mode int32 scalars;
+    in ``ADD`` mode a fifth operand, the residual, is out's own buffer)."""
     args, rets = arguments(frame, 4)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
     layer_data, _ = buffer(args, 2)
-    gated_data, _ = buffer(args, 3)
+    mode_data, _ = buffer(args, 3)
     out_data, _ = buffer(rets, 0)
     layer = numba.carray(layer_data, (1,), np.int32)[0]
     w_addr = _addr(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
-    gated = numba.carray(gated_data, (1,), np.int32)[0] != 0
-    return gated, (_addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1])
+    mode = numba.carray(mode_data, (1,), np.int32)[0]
+    return mode, (_addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1])
 
 
 def _handler(frame_addr):  # compiled by compile_handler; returns null: success
     frame = frame_of(frame_addr)
     if not answered(frame):
-        gated, operands = _operands(frame)
-        if gated:
+        mode, operands = _operands(frame)
+        if mode == GATED:
             _glu(*operands)
         else:
-            _matmul(*operands)
+            _matmul(*operands, mode == ADD)
     return ptr(0)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
     frame = frame_of(frame_addr)
     if not answered(frame):
-        gated, operands = _operands(frame)
-        if gated:
+        mode, operands = _operands(frame)
+        if mode == GATED:
             _glu_parallel(*operands)
         else:
-            _matmul_parallel(*operands)
+            _matmul_parallel(*operands, mode == ADD)
     return ptr(0)
 
 

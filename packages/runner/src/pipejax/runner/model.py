@@ -239,35 +239,40 @@ def apply_rope(x: jax.Array, rope: RopeTables) -> jax.Array:
 
 
 def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
-          gated: bool = False) -> jax.Array:
+          gated: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
     with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in
-    panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result silu(gate) * up [T, *rest]."""
+    panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result silu(gate) * up [T, *rest].
+    ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place)."""
     if not isinstance(w, Panels):
         y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
-        return _silu_and_multiply(y) if gated else y
+        y = _silu_and_multiply(y) if gated else y
+        return y if residual is None else residual + y
     data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL], or [L, ...] of those with ``w.layer``
     outs = data.shape[int(w.layer is not None): data.ndim - contracted - 1]
     out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
     if kernel is not None:
         flat = x.reshape(x.shape[0], -1)  # [T, Kc]
         layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
-        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated)
+        flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
+        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual)
         return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
     if w.layer is not None:
         data = data[w.layer]
     ins = tuple(range(len(outs), len(outs) + contracted))
     y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
-    return _silu_and_multiply(y.reshape(out_shape)) if gated else y.reshape(out_shape)
+    y = _silu_and_multiply(y.reshape(out_shape)) if gated else y.reshape(out_shape)
+    return y if residual is None else residual + y
 
 
 def _silu_and_multiply(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
 
 
-def mlp(x: jax.Array, p: dict[str, jax.Array], dense_kernel: Callable | None = None) -> jax.Array:
+def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, dense_kernel: Callable | None = None) -> jax.Array:
+    """residual + the MLP of x (both [T, E])."""
     act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # silu(gate) * up [T, F]
-    return dense(act, p["down"], 1, dense_kernel)  # [T, E]
+    return dense(act, p["down"], 1, dense_kernel, residual=residual)
 
 
 # --- paged attention over one ragged batch ----------------------------------------------------
@@ -409,6 +414,7 @@ def attention(
     dense_kernel: Callable | None = None,
     prefill_kernel: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention of x [T, E] before its output projection ([T, H, D]), and the caches with the step's K/V."""
     qkv = dense(x, p["qkv"], 1, dense_kernel)  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
@@ -422,14 +428,12 @@ def attention(
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
     out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel, prefill_kernel)
-    # (h, d) contracted in the weight's memory order: jnp.einsum orders them (d, h), and XLA then copies o
-    # transposed every step (a scan's dynamic slice hides that copy; per-layer views do not).
-    return dense(out, p["o"], 2, dense_kernel), k_cache, v_cache
+    return out, k_cache, v_cache
 
 
 def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, rope, shape, block_size, decode_kernel=None,
                   dense_kernel=None, prefill_kernel=None):
-    h, k_cache, v_cache = attention(
+    out, k_cache, v_cache = attention(
         rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
         p,
         k_cache,
@@ -444,8 +448,10 @@ def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, rope, shape, block_si
         dense_kernel,
         prefill_kernel,
     )
-    x = x + h
-    x = x + mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p, dense_kernel)
+    # x + o(out): (h, d) contracted in the weight's memory order (jnp.einsum orders them (d, h), and XLA then
+    # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
+    x = dense(out, p["o"], 2, dense_kernel, residual=x)
+    x = mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p, x, dense_kernel)
     return x, k_cache, v_cache
 
 
