@@ -41,7 +41,8 @@ def synthetic_results() -> dict[str, dict]:
                        "ratio": {"1": s(0.9, 1.0), "64": s(0.75, 0.84)}, "hf_threads": 2,
                        "engine": {"layout": "pp=1 tp=1 (in-process)", "max_num_batched_tokens": 2048},
                        "cores_busy": {"pipejax": s(1.8, 1.9), "transformers": s(1.9, 2.0)}, "breakdown": breakdown,
-                       "bf16": {"pipejax_tps": s(120, 130), "hf_tps": s(600, 610), "ratio": s(0.2, 0.21)}},
+                       "bf16": {"pipejax_tps": s(120, 130), "hf_tps": s(600, 610), "ratio": s(0.2, 0.21)},
+                       "greedy": {"pipejax_tps": s(155, 165), "hf_tps": s(195, 205), "ratio": s(0.78, 0.83)}},
         "decode": {**load, "context": 128, "matmul_gflops": s(90, 100), "memory_gbps": s(3.0, 3.5),
                    "numpy_gbps": s(3.1, 3.4), "numpy_copy_gbps": s(3.0, 3.3), "memory_vs_numpy": s(0.95, 1.05),
                    "decode": {"64": {"step_ms": s(330, 340), "floor_ms": s(125, 130), "compute_ms": s(125, 130),
@@ -163,6 +164,10 @@ def test_render_from_results(tmp_path):
     assert "lowest ratio over concurrency 1, 64 (at c = 64)" in text and "≥ 1.0× at every c | **NOT met**" in text
     assert "decode step at batch 1 (ms)" in text and "1.23× [1.20–1.25] | ≤ 1.3× | **met** |" in text
     assert "bf16: output tokens/s" in text and "| 0.21× [0.20–0.21] | reported (torch's bf16 uses AMX" in text
+    # goal 1 holds for greedy decoding too: its own row, and the line under the concurrency table
+    assert "greedy: output tokens/s, 64 req (as the first row)" in text
+    assert "transformers `generate`, greedy: 200.0 [195.0–205.0] | 0.80× [0.78–0.83] | ≥ 1.6× | **NOT met**" in text
+    assert "greedy decoding on both sides (pipejax temperature 0, transformers `do_sample=False`)" in text
     assert "2048-token prefill step" in text and "0.82× [0.80–0.84] | ≥ 0.85× | **NOT met** |" in text
     assert "1.030× [1.020–1.040] | ≤ 1.10× | **met**" in text
     # the unmet goals say what bounds them, with the run's own numbers
@@ -233,13 +238,20 @@ def test_render_with_the_dense_kernel(tmp_path):
     assert "ran their dots on **" not in text  # the few-row choice is XLA's, moot with the kernel
     # the prefill step under its goal (0.82 in the synthetic run): what its share is made of
     assert "### 2048-token prefill step vs JAX's matmul rate (goal ≥ 0.85×)" in text
-    assert ("Repeat by repeat it took 2400 ms, 2500 ms against 2048³ rates of 90, 100 GFLOP/s: shares 0.80, 0.84"
-            in text)
+    assert "it took 2450 [2400–2500] ms against 2048³ rates of 95 [90–100] GFLOP/s" in text  # older results
+    assert "| the matmul rate in the decode table's repeats |" in text
     # 315 GFLOP / 2.41 s / 95 GFLOP/s = 1.38
     assert "Its forward took 2410 [2400–2420] ms with the matmuls on the CPU dense kernel against 2410" in text
     assert "at the repeats' median rate that is 1.38× and 1.38×" in text
     dd["dense_matmuls"] = "xla"  # and where XLA's dot runs them, it is reported
     assert "ran their dots on **ynnpack**" in render(tmp_path / "xla", data)
+    # each repeat's prefill with the two 2048³ probes beside it
+    dd["prefill"]["repeats"] = [{"step_ms": 2400.0, "gflops_before": 90.0, "gflops_after": 160.0, "share": 0.82},
+                                {"step_ms": 2500.0, "gflops_before": 150.0, "gflops_after": 100.0, "share": 0.84}]
+    text = render(tmp_path / "paired", data)
+    assert ("Repeat by repeat it took 2400 ms (probes 90/160 GFLOP/s: 0.82), 2500 ms (probes 150/100 GFLOP/s: "
+            "0.84)") in text
+    assert "| the higher of two 2048³ probes, right before and right after it |" in text
 
 
 def test_fmt_and_verdict():

@@ -339,21 +339,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prefill = bench.prefill_forward()
     prefill()  # compile
     per_repeat: dict[int, list[dict[str, float]]] = {b: [] for b in batches}
-    rates_all, prefill_share, prefill_ms = [], [], []
+    rates_all, prefill_share, prefill_ms, prefill_repeats = [], [], [], []
     for _ in range(args.repeats):
         # The 2048³ rate between the prefill and the decode steps and after the steps, the higher one taken: this
         # host's speed swings between phases of seconds (one run's probes read 104, 107 and 180 GFLOP/s), and a
         # probe in a slow phase would put the floor above steps timed in a fast one. The prefill is timed before
-        # the probes: right after the bandwidth probe's GiB arrays it ran 14% slower (1943 against 1705 ms, four
-        # rounds alternated in one process, 2026-12-03), which would measure the probe, not the step.
+        # the bandwidth probe: right after its GiB arrays it ran 14% slower (1943 against 1705 ms, four rounds
+        # alternated in one process, 2026-12-03), which would measure the probe, not the step. Its own rate is the
+        # higher of the 2048³ probes right before and right after it: a probe after the decode steps, 10 s later,
+        # read 196 GFLOP/s where the one beside a 2281 ms prefill read 90 (2026-12-03 14:20 UTC).
+        rate_before_prefill = matmul_rate(3)
         t = statistics.median(timed(prefill, 3))
-        rates = machine_rates(3)
+        rates = machine_rates(3)  # its 2048³ probe comes first: right after the prefill
         step_s = {b: statistics.median(timed(lambda b=b: bench.step(b), steps)) for b in batches}
         rates["flops_before"], rates["flops_after"] = rates["flops"], matmul_rate(3)
         rates["flops"] = max(rates["flops_before"], rates["flops_after"])
         rates_all.append(rates)
+        prefill_rate = max(rate_before_prefill, rates["flops_before"])
         prefill_ms.append(t * 1e3)
-        prefill_share.append(prefill_flops(cfg) / t / rates["flops"])
+        prefill_share.append(prefill_flops(cfg) / t / prefill_rate)
+        prefill_repeats.append({"step_ms": t * 1e3, "gflops_before": rate_before_prefill / 1e9,
+                                "gflops_after": rates["flops_before"] / 1e9, "share": prefill_share[-1]})
         for b in batches:
             flops, weights = step_cost(cfg, b)
             compute, memory = flops / rates["flops"], (weights + kv_bytes(cfg, b, CONTEXT + 1)) / rates["bandwidth"]
@@ -468,7 +474,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memory_vs_numpy": summary([r["bandwidth"] / r["numpy_bandwidth"] for r in rates_all]),
         "decode": decode,
         "prefill": {"tokens": PREFILL_ROWS * PREFILL_LEN, "rows": PREFILL_ROWS, "step_ms": summary(prefill_ms),
-                    "gflops": prefill_flops(cfg) / 1e9, "share_of_matmul_rate": summary(prefill_share)},
+                    "gflops": prefill_flops(cfg) / 1e9, "share_of_matmul_rate": summary(prefill_share),
+                    "repeats": prefill_repeats},
         "parts_ms": parts,
         "decode_attention": "cpu-kernel" if xla_parts is not None else "xla",
         "xla_attention_parts_ms": xla_parts,

@@ -2,7 +2,8 @@
 
 ``c`` concurrent requests x 128 prompt tokens x 64 output tokens (random ids, ignore_eos, sampling at
 temperature 1 on both sides), for c in 1, 2, 4, 8, 16, 32, 64 (--quick: 1, 16, 64); c = 64 is the
-headline figure. Each engine runs in a fresh process of its own, started for this section: pipejax pp=1 tp=1
+headline figure, also timed with greedy decoding on both sides. Each engine runs in a fresh process of its own,
+started for this section: pipejax pp=1 tp=1
 in-process (one engine for every c, compiled by an untimed run of each c), transformers one ``generate`` over
 all c prompts (fp32, CPU, its default threads). The timed runs alternate between the two processes, so both
 see the same machine load; the ratio is taken per repeat. The headline run's step trace splits pipejax's time
@@ -95,10 +96,10 @@ def executed_flops(cfg, shape: list[int], block_size: int) -> tuple[float, float
     return 2.0 * T * L * per_layer + 2.0 * E * V * (P + Rd) + attention, attention
 
 
-def pipejax_run(llm, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
+def pipejax_run(llm, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN, greedy: bool = False) -> float:
     from pipejax.runner.batch import SamplingParams
 
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch_prompts], params)
     elapsed = time.perf_counter() - start
@@ -117,14 +118,16 @@ class HFReference:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.threads = torch.get_num_threads()
 
-    def run(self, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN) -> float:
+    def run(self, batch_prompts: list[list[int]], output_len: int = OUTPUT_LEN, greedy: bool = False) -> float:
         torch = self.torch
         ids = torch.tensor(batch_prompts)
+        sampling = ({"do_sample": False} if greedy else
+                    {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
         start = time.perf_counter()
         with torch.no_grad():
             out = self.model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
-                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0,
+                pad_token_id=0, **sampling,
             )
         elapsed = time.perf_counter() - start
         assert out.shape == (len(batch_prompts), len(batch_prompts[0]) + output_len)
@@ -215,15 +218,16 @@ class PipejaxSide:
         start = time.perf_counter()
         for c in levels:
             pipejax_run(self.llm, self.prompts[:c], 8)
+        pipejax_run(self.llm, self.prompts[:max(levels)], 8, greedy=True)
         self.warm_s = time.perf_counter() - start
         self.compiled_before = compiled_shapes(self.llm)
 
-    def run(self, c: int, breakdown: bool = False) -> dict[str, Any]:
+    def run(self, c: int, breakdown: bool = False, greedy: bool = False) -> dict[str, Any]:
         """One timed run of ``c`` prompts: seconds, this process's cores, and (``breakdown``) where the time
         went, with the machine's rates measured right after."""
         meter = CpuMeter().start()
         n_before = len(self.llm.engine.executor.step_trace())
-        seconds = pipejax_run(self.llm, self.prompts[:c])
+        seconds = pipejax_run(self.llm, self.prompts[:c], greedy=greedy)
         out: dict[str, Any] = {"seconds": seconds, "meter": meter.stop()}
         if breakdown:
             recent = {s for _, s, _, _ in self.llm.engine.executor.step_trace()[n_before:]}
@@ -248,10 +252,11 @@ class HFSide:
         self.hf = HFReference(path, dtype)
         self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.hf.model.config.vocab_size)
         self.hf.run(self.prompts[:2], 4)
+        self.hf.run(self.prompts[:2], 4, greedy=True)
 
-    def run(self, c: int) -> dict[str, Any]:
+    def run(self, c: int, greedy: bool = False) -> dict[str, Any]:
         meter = CpuMeter().start()
-        seconds = self.hf.run(self.prompts[:c])
+        seconds = self.hf.run(self.prompts[:c], greedy=greedy)
         return {"seconds": seconds, "meter": meter.stop()}
 
     def info(self) -> dict[str, Any]:
@@ -268,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ref: dict[int, list[float]] = {c: [] for c in levels}
         cores: dict[str, list[dict[str, float]]] = {"pj": [], "hf": []}  # at the headline concurrency
         breakdown, breakdown_low = None, None
+        greedy: dict[str, list[float]] = {"pj": [], "hf": []}  # the headline concurrency, greedy on both sides
         for r in range(args.repeats):
             for c in sorted(levels, reverse=True):
                 first_pj = (r + c) % 2 == 0  # alternate who goes first
@@ -281,6 +287,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         breakdown_low = out["breakdown"]
                     if c == NUM_PROMPTS:
                         cores[who].append(out["meter"])
+            for who in ("hf", "pj") if r % 2 == 0 else ("pj", "hf"):
+                out = pj_side.call("run", NUM_PROMPTS, False, True) if who == "pj" else \
+                    hf_side.call("run", NUM_PROMPTS, True)
+                greedy[who].append(NUM_PROMPTS * OUTPUT_LEN / out["seconds"])
         pj_info, hf_info = pj_side.call("info"), hf_side.call("info")
     if breakdown:
         breakdown["torch_matmul_gflops"] = hf_info["torch_matmul_gflops"]
@@ -298,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "transformers": summary([c["cores"] for c in cores["hf"]])},
         "machine_busy": {"pipejax": summary([c["machine_busy"] for c in cores["pj"]]),
                          "transformers": summary([c["machine_busy"] for c in cores["hf"]])},
+        "greedy": {"pipejax_tps": summary(greedy["pj"]), "hf_tps": summary(greedy["hf"]),
+                   "ratio": summary([a / b for a, b in zip(greedy["pj"], greedy["hf"], strict=True)])},
         "breakdown": breakdown,
         "breakdown_low": breakdown_low,  # at the lowest concurrency
         "smallest_buckets": pj_info["smallest_buckets"],
