@@ -381,9 +381,10 @@ class Report:
         out += md_table(["concurrency", "pipejax output tok/s", "transformers output tok/s", "ratio"], rows)
         if t.get("greedy"):
             g, c = t["greedy"], t["levels"][-1]
-            out += ["", f"The same c = {c} runs with greedy decoding on both sides (pipejax temperature 0, transformers "
-                    f"`do_sample=False`), alternated in the same repeats: pipejax {fmt(g['pipejax_tps'])} output tok/s, "
-                    f"transformers {fmt(g['hf_tps'])}, ratio {fmt(g['ratio'], 2, '×')}."]
+            out += ["", f"The same c = {c} runs with greedy decoding on both sides (pipejax temperature 0, "
+                    "transformers `do_sample=False`), alternated in the same repeats: pipejax "
+                    f"{fmt(g['pipejax_tps'])} output tok/s, transformers {fmt(g['hf_tps'])}, ratio "
+                    f"{fmt(g['ratio'], 2, '×')}."]
         if "shapes_compiled_during_timed_runs" in t:
             out += ["", f"Shapes compiled during the timed runs: {t['shapes_compiled_during_timed_runs']}."]
         if self.plot_name:
