@@ -252,6 +252,13 @@ def test_render_with_the_dense_kernel(tmp_path):
     assert ("Repeat by repeat it took 2400 ms (probes 90/160 GFLOP/s: 0.82), 2500 ms (probes 150/100 GFLOP/s: "
             "0.84)") in text
     assert "| the higher of two 2048³ probes, right before and right after it |" in text
+    # under the batch-64 goal there is no finding, and the floor's matmul rate is still cross-checked in the section
+    assert "Cross-check of the floor's matmul rate" not in text  # over the goal: the finding carries it
+    dd["decode"]["64"]["ratio"] = s(1.2, 1.3)
+    text = render(tmp_path / "met", data)
+    assert "### Decode step vs floor" not in text
+    assert ("Cross-check of the floor's matmul rate. Measured other ways: the same matmuls in torch take 155 "
+            "[150–160] ms") in text
 
 
 def test_fmt_and_verdict():

@@ -346,8 +346,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # probe in a slow phase would put the floor above steps timed in a fast one. The prefill is timed before
         # the bandwidth probe: right after its GiB arrays it ran 14% slower (1943 against 1705 ms, four rounds
         # alternated in one process, 2026-12-03), which would measure the probe, not the step. Its own rate is the
-        # higher of the 2048³ probes right before and right after it: a probe after the decode steps, 10 s later,
-        # read 196 GFLOP/s where the one beside a 2281 ms prefill read 90 (2026-12-03 14:20 UTC).
+        # higher of the 2048³ probes right before and right after it: the probe after the bandwidth probe and the
+        # decode steps read 168 GFLOP/s where the one right after a 2281 ms prefill read 90 (2026-12-03 14:20 UTC).
         rate_before_prefill = matmul_rate(3)
         t = statistics.median(timed(prefill, 3))
         rates = machine_rates(3)  # its 2048³ probe comes first: right after the prefill
