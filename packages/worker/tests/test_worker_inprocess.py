@@ -44,37 +44,44 @@ def test_available_kv_blocks_explicit(checkpoint):
         assert w.available_kv_blocks() == CACHE.num_blocks
 
 
-def test_available_kv_blocks_from_memory_fraction(checkpoint):
-    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.5)
-    useful = 1 + LIMITS.max_num_seqs * math.ceil(LIMITS.max_model_len / cache.block_size)
-    for w in make_pipeline(checkpoint[0], cache):
-        n = w.available_kv_blocks()
-        # A tiny model in host RAM: capped at what max_num_seqs x max_model_len can ever use.
-        assert n == useful
+def test_available_kv_blocks_from_memory(checkpoint):
+    """The CPU budget (default) or an explicit fraction: a tiny model in host RAM gets what
+    max_num_seqs x max_model_len can ever use."""
+    useful = 1 + LIMITS.max_num_seqs * math.ceil(LIMITS.max_model_len / CACHE.block_size)
+    for cache in (dataclasses.replace(CACHE, num_blocks=None), dataclasses.replace(CACHE, num_blocks=None,
+                                                                                   memory_fraction=0.5)):
+        for w in make_pipeline(checkpoint[0], cache):
+            assert w.available_kv_blocks() == useful
+            assert w.kv_cache_plan().source == ("cpu_budget" if cache.memory_fraction is None else "cpu_fraction")
 
 
 def test_available_kv_blocks_follows_free_memory(checkpoint, monkeypatch):
-    """On CPU the devices share host RAM: each gets available / local devices, times the fraction."""
+    """On CPU an explicit fraction takes that share of the host's available RAM (measured by the worker)."""
     cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25)
-    w = make_pipeline(checkpoint[0], cache, dataclasses.replace(LIMITS, max_num_seqs=10_000))[1]
-    per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
-    free = 100 * per_block * len(jax.local_devices())  # 100 blocks' worth per device
+    limits = dataclasses.replace(LIMITS, max_num_seqs=10_000, max_model_len=32)
+    w = make_pipeline(checkpoint[0], cache, limits)[1]
+    stage_bytes = 2 * kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)  # tp=2 devices
+    free = 100 * stage_bytes  # 100 of the stage's blocks
     monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
     assert w.available_kv_blocks() == 25
     monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=0))
-    assert w.available_kv_blocks() == 2  # never below the padding block plus one
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len=32"):
+        w.available_kv_blocks()
 
 
 def test_stages_on_one_host_share_its_memory(checkpoint, monkeypatch):
-    """A stage in its own process (a Ray actor) shares the host's RAM with the other stages there: with
-    more stages x TP devices on the host than this process's devices, each gets a proportional share."""
-    cache = dataclasses.replace(CACHE, num_blocks=None, memory_fraction=0.25)
-    w = make_pipeline(checkpoint[0], cache, dataclasses.replace(LIMITS, max_num_seqs=10_000))[1]  # tp=2
-    per_block = kv_bytes_per_block(w.model_config, w.stage, 2, cache.block_size)
-    free = 100 * per_block * len(jax.local_devices())
-    monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=free))
-    assert w.available_kv_blocks(stages_on_host=1) == 25
-    assert w.available_kv_blocks(stages_on_host=len(jax.local_devices())) == 12  # 2x the sharers: half
+    """A stage in its own process (a Ray actor) shares the host's RAM with the other stages there (and
+    with those of the other engines on the host): each gets its share of the budget."""
+    cache = dataclasses.replace(CACHE, num_blocks=None)
+    limits = dataclasses.replace(LIMITS, max_num_seqs=10_000_000)
+    w = make_pipeline(checkpoint[0], cache, limits)[1]
+    monkeypatch.setattr(worker_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=100 << 30))
+    alone = w.available_kv_blocks(stages_on_host=1)
+    assert alone * w.kv_cache_plan().stage_bytes_per_block <= 4 << 30  # the default budget, 4 GiB
+    assert w.available_kv_blocks(stages_on_host=2) == alone // 2
+    shared = dataclasses.replace(w.config, cache=dataclasses.replace(cache, engines_on_host=2))
+    w2 = StageWorker(shared, jax.devices()[2:4])
+    assert w2.available_kv_blocks(stages_on_host=2) == alone // 4
 
 
 def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):

@@ -154,21 +154,47 @@ class StageConfig:
         return self.is_first or (self.is_last and model.tie_word_embeddings)
 
 
+DEFAULT_MEMORY_FRACTION = 0.5  # of an accelerator's free memory, where no fraction is given
+DEFAULT_CPU_KVCACHE_SPACE_GIB = 4.0  # vLLM's CPU backend's long-standing VLLM_CPU_KVCACHE_SPACE default
+CPU_AVAILABLE_RAM_SHARE = 0.5  # the default CPU budget never exceeds this share of the host's available RAM
+CPU_KVCACHE_SPACE_ENV = "PIPEJAX_CPU_KVCACHE_SPACE"  # read at the edges (engine_args.environment_defaults)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache of one stage (the same on every stage)."""
+    """Paged KV cache of one stage (the same on every stage), and how its size is chosen
+    (``pipejax.worker.kv_sizing`` does the arithmetic):
+
+    - ``num_blocks`` given: that many blocks.
+    - An accelerator (its devices report ``bytes_limit``): what ``max_num_seqs x max_model_len`` need, at
+      most ``memory_fraction`` (None: ``DEFAULT_MEMORY_FRACTION``) of each device's free memory.
+    - CPU (simulated devices share host RAM): what ``max_num_seqs x max_model_len`` need, at most this
+      stage's share of a per-host budget of ``cpu_kvcache_space`` GiB (None: ``DEFAULT_CPU_KVCACHE_SPACE_GIB``,
+      never more than ``CPU_AVAILABLE_RAM_SHARE`` of the host's available RAM) that every stage of the
+      ``engines_on_host`` engines on the host shares; a ``memory_fraction`` given explicitly replaces the
+      budget with that fraction of the host's available RAM.
+    """
 
     block_size: int = 16
-    num_blocks: int | None = None  # None: size from memory_fraction
-    memory_fraction: float = 0.5  # of the memory JAX reports free per device, or of host RAM on CPU
+    num_blocks: int | None = None  # None: sized from memory, as above
+    memory_fraction: float | None = None  # None: the budget on CPU, DEFAULT_MEMORY_FRACTION on accelerators
+    cpu_kvcache_space: float | None = None  # GiB per host on CPU; None: the default budget
+    engines_on_host: int = 1  # data-parallel engines whose stages share this host's budget
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size} must be a power of two, e.g. 16")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} must be >= 2 (block 0 is reserved for padding)")
-        if not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1], e.g. 0.5")
+        if self.cpu_kvcache_space is not None and not self.cpu_kvcache_space > 0:
+            raise ValueError(
+                f"cpu_kvcache_space={self.cpu_kvcache_space} GiB must be > 0, e.g. 4 "
+                f"(--cpu-kvcache-space / {CPU_KVCACHE_SPACE_ENV})"
+            )
+        if self.engines_on_host < 1:
+            raise ValueError(f"engines_on_host={self.engines_on_host} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

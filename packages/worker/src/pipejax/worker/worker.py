@@ -26,6 +26,7 @@ from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, sta
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner, kv_bytes_per_block
+from pipejax.worker.kv_sizing import KVCachePlan, plan_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -122,23 +123,26 @@ class StageWorker:
 
     # --- set-up, in the order an executor calls it ------------------------------------------
 
-    def available_kv_blocks(self, stages_on_host: int = 1) -> int:
-        """KV blocks this stage could hold: an explicit count, or a fraction of free memory.
-
-        On CPU the host's RAM is shared by every device of this process and, where each stage is its own
-        process (Ray actors), by the ``stages_on_host`` stages the executor placed on this host."""
-        cache = self.config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
+    def kv_cache_plan(self, stages_on_host: int = 1) -> KVCachePlan:
+        """How many KV blocks this stage could hold, and why (``kv_sizing.plan_kv_cache`` on this process's
+        memory). ``stages_on_host``: this engine's stages on this host, which share its RAM on CPU (with the
+        stages of the ``cache.engines_on_host`` engines there)."""
         stats = self.devices[0].memory_stats() or {}
-        if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        else:  # CPU: devices share host RAM
-            sharers = max(len(jax.local_devices()), stages_on_host * len(self.devices))
-            free = psutil.virtual_memory().available / sharers
-        per_block = self.kv_bytes_per_block()
-        useful = 1 + self.limits.max_num_seqs * math.ceil(self.limits.max_model_len / cache.block_size)
-        return max(2, min(useful, int(free * cache.memory_fraction // per_block)))
+        device_free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if "bytes_limit" in stats else None
+        return plan_kv_cache(
+            self.config.cache,
+            device_bytes_per_block=self.kv_bytes_per_block(),
+            tp_size=self.config.tp_size,
+            max_num_seqs=self.limits.max_num_seqs,
+            max_model_len=self.limits.max_model_len,
+            device_free_bytes=device_free,
+            host_available_bytes=psutil.virtual_memory().available,
+            stages_on_host=stages_on_host,
+        )
+
+    def available_kv_blocks(self, stages_on_host: int = 1) -> int:
+        """The block count of ``kv_cache_plan``."""
+        return self.kv_cache_plan(stages_on_host).num_blocks
 
     def load(self, num_blocks: int | None) -> None:
         """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage);
