@@ -97,7 +97,8 @@ def test_one_line_describes_the_choice():
     )
     assert "\n" not in line
     small = cpu(max_num_seqs=1, max_model_len=64).describe()
-    assert "what 1 sequences x 64 tokens need; CPU budget 4 GiB shared by 1 stage on this host" in small
+    assert small.startswith("KV cache: 5 blocks x 16 tokens (80 tokens), 10.0 MiB per stage, what 1 sequence x "
+                            "64 tokens need; CPU budget 4 GiB shared by 1 stage on this host")
 
 
 def test_cache_config_refuses_bad_values():

@@ -53,11 +53,11 @@ class KVCachePlan:
 
     def describe(self) -> str:
         tokens = self.num_blocks * self.block_size
-        size = self.num_blocks * self.stage_bytes_per_block / GIB
         head = (f"KV cache: {self.num_blocks:,} blocks x {self.block_size} tokens ({tokens:,} tokens), "
-                f"{size:.2f} GiB per stage")
+                f"{_size(self.num_blocks * self.stage_bytes_per_block)} per stage")
         fits = self.num_blocks >= self.need_blocks
-        need = f"what {self.max_num_seqs} sequences x {self.max_model_len:,} tokens need"
+        seqs = f"{self.max_num_seqs} sequence{'s' if self.max_num_seqs > 1 else ''}"
+        need = f"what {seqs} x {self.max_model_len:,} tokens need"
         if self.source == "num_blocks":
             return f"{head}; set by --num-kv-blocks"
         if self.source == "device":
@@ -78,6 +78,10 @@ class KVCachePlan:
         if self.engines_on_host > 1:
             stages += f" ({self.engines_on_host} engines x {self.stages_on_host})"
         return stages
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def plan_kv_cache(
