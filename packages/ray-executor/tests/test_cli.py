@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -31,6 +33,55 @@ def test_generate_shows_text_placement_and_speed():
     assert "stage 1: layers 2-3 on cpu:2, cpu:3" in out
     assert out.count("output: ") == 2 and "prompt: 'Hello, pipejax!'" in out
     assert "12 tokens in" in out and "tokens/s" in out
+    # one line says how the KV cache was sized: generate bounds max_model_len to what its prompts need
+    kv = [line for line in out.splitlines() if "KV cache" in line]
+    assert len(kv) == 1 and kv[0].startswith("KV cache: 5 blocks x 16 tokens (80 tokens), "), out
+    assert kv[0].endswith("what 2 sequences x 32 tokens need; CPU budget 4 GiB shared by 2 stages on this host "
+                          "(--cpu-kvcache-space / PIPEJAX_CPU_KVCACHE_SPACE)")
+
+
+def test_generate_sizes_its_run_by_its_prompts():
+    """Where the user gave no --max-num-seqs / --max-model-len, generate's limits are its prompts'."""
+    from pipejax.ray_executor.cli import generate_limits
+    from pipejax.ray_executor.config import EngineConfig, ModelSource
+
+    config = EngineConfig(ModelSource("m"))
+    prompts = [{"prompt_token_ids": [1] * 5}, {"prompt_token_ids": [1] * 40}]
+    sized = generate_limits(config, prompts, 24, False, False).scheduler
+    assert (sized.max_num_seqs, sized.max_model_len) == (2, 64)  # 40 + 24, rounded up to a power of two
+    assert generate_limits(config, prompts, 25, True, True).scheduler == config.scheduler
+    assert generate_limits(config, ["no tokenizer"], 8, False, False).scheduler.max_model_len is None
+
+
+def test_bench_throughput_compares_with_transformers_at_the_same_batch():
+    from pipejax.ray_executor.bench import hf_batch_size
+    from pipejax.ray_executor.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "throughput"])
+    assert args.hf_batch_size is None and hf_batch_size(args) == 64 == args.max_num_seqs
+    args = build_parser().parse_args(["bench", "throughput", "--num-prompts", "8", "--max-num-seqs", "16"])
+    assert hf_batch_size(args) == 8
+
+
+def test_kv_flags_reach_the_cache_config(monkeypatch):
+    """--cpu-kvcache-space and PIPEJAX_CPU_KVCACHE_SPACE (the flag wins) and --gpu-memory-utilization, None
+    unless given (the CPU budget then applies; the 0.5 default is resolved where the memory is measured)."""
+    from pipejax.ray_executor.cli import build_parser
+    from pipejax.ray_executor.engine_args import ENV_KEYWORDS, engine_config, engine_config_from_args
+    from pipejax.runner.config import CPU_KVCACHE_SPACE_ENV, CacheConfig
+
+    assert ENV_KEYWORDS["cpu_kvcache_space"] == CPU_KVCACHE_SPACE_ENV
+    monkeypatch.delenv(CPU_KVCACHE_SPACE_ENV, raising=False)
+    assert engine_config("builtin").cache == CacheConfig()
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "2.5")
+    assert engine_config("builtin").cache.cpu_kvcache_space == 2.5
+    args = build_parser().parse_args(["serve", "--model", "builtin", "--cpu-kvcache-space", "1",
+                                      "--gpu-memory-utilization", "0.3"])
+    cache = engine_config_from_args(args).cache
+    assert (cache.cpu_kvcache_space, cache.memory_fraction, cache.num_blocks) == (1.0, 0.3, None)
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "lots")
+    with pytest.raises(ValueError, match="PIPEJAX_CPU_KVCACHE_SPACE='lots' is not a number of GiB"):
+        engine_config("builtin")
 
 
 def test_generate_layout_too_large_is_one_clear_line():

@@ -246,3 +246,15 @@ def test_routing_least_loaded_pinned_and_dead_engines():
     client._engine_died(2, "y")
     with pytest.raises(RequestFailed, match="no data-parallel engine is alive"):
         client.choose_engine()
+
+
+def test_engines_sharing_a_host_share_its_kv_budget():
+    """Each DP engine learns how many engines sit on its most crowded host (its KV budget's sharers)."""
+    from pipejax.ray_executor.config import EngineConfig, ModelSource
+    from pipejax.ray_executor.serving.engines import engines_sharing_hosts, with_engines_on_host
+
+    assert engines_sharing_hosts([{"a"}, {"a"}]) == [2, 2]  # -dp 2 on one host
+    assert engines_sharing_hosts([{"a"}, {"b"}, {"b"}]) == [1, 2, 2]
+    assert engines_sharing_hosts([{"a", "b"}, {"b"}, {"c"}]) == [2, 2, 1]  # a stage on b shares b
+    config = with_engines_on_host(EngineConfig(ModelSource("m")), 2)
+    assert config.cache.engines_on_host == 2 and config.worker_config(0).cache.engines_on_host == 2

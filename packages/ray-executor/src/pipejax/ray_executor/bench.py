@@ -43,6 +43,12 @@ def _hf_run(model_path: str, prompts, output_len: int, batch_size: int) -> float
     return time.perf_counter() - start
 
 
+def hf_batch_size(args: argparse.Namespace) -> int:
+    """transformers' batch where ``--hf-batch-size`` is not given: pipejax's concurrency in the same run
+    (every prompt at once, up to ``--max-num-seqs``), so both sides batch alike."""
+    return min(args.max_num_seqs, args.num_prompts)
+
+
 def run_throughput(args: argparse.Namespace, make_llm) -> int:
     llm = make_llm(args)
     vocab = llm.engine.model_config.vocab_size
@@ -66,11 +72,12 @@ def run_throughput(args: argparse.Namespace, make_llm) -> int:
     model_path = llm.engine.config.model.path
     llm.shutdown()
     if not args.no_hf:
-        hf_elapsed = _hf_run(model_path, prompts, args.output_len, args.hf_batch_size)
+        hf_batch = args.hf_batch_size or hf_batch_size(args)
+        hf_elapsed = _hf_run(model_path, prompts, args.output_len, hf_batch)
         hf_tps = args.num_prompts * args.output_len / hf_elapsed
-        print(f"transformers generate (batch {args.hf_batch_size}, fp32): {hf_tps:.2f} output tokens/s")
+        print(f"transformers generate (batch {hf_batch}, fp32): {hf_tps:.2f} output tokens/s")
         print(f"ratio pipejax / transformers output tokens/s: {out_tokens / elapsed / hf_tps:.2f}x")
-        result.update(hf_output_tokens_per_s=hf_tps, ratio=out_tokens / elapsed / hf_tps)
+        result.update(hf_output_tokens_per_s=hf_tps, hf_batch_size=hf_batch, ratio=out_tokens / elapsed / hf_tps)
     if getattr(args, "output_json", None):
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -9,6 +9,7 @@ environment first and imports everything JAX-related inside the command function
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -29,11 +30,17 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
                    help="with the ray backend on CPU: each stage actor gets its own share of its host's cores")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                   help="with no --num-kv-blocks: the fraction of free device memory (host RAM on CPU) for KV blocks")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks per stage (default: what --max-num-seqs x --max-model-len need, within the memory "
+                   "the next two flags allow)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on accelerators: the fraction of each device's free memory KV blocks may take (default 0.5); "
+                   "on CPU, given: the fraction of the host's available RAM, instead of --cpu-kvcache-space")
+    p.add_argument("--cpu-kvcache-space", type=float, default=None,
+                   help="on CPU: GiB of host RAM for the KV caches of every stage of every engine on a host, shared "
+                   "evenly (env PIPEJAX_CPU_KVCACHE_SPACE; default 4, at most half of the available RAM)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's (generate: what it needs)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: 64 (generate: the number of prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
 
@@ -60,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--input-len", type=int, default=128)
     tput.add_argument("--output-len", type=int, default=64)
     tput.add_argument("--repeats", type=int, default=3, help="timed runs (median reported)")
-    tput.add_argument("--hf-batch-size", type=int, default=16, help="transformers' generate batch size")
+    tput.add_argument("--hf-batch-size", type=int, default=None,
+                      help="transformers' generate batch size (default: pipejax's, min(--max-num-seqs, --num-prompts))")
     tput.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     tput.add_argument("--output-json", default=None, help="also write the figures to this file")
 
@@ -78,21 +86,53 @@ def _llm(args: argparse.Namespace, warmup: bool = True):
     return LLM.from_config(engine_config_from_args(args), warmup=warmup)
 
 
+def _generate_prompts(args: argparse.Namespace, model_path: str) -> list:
+    """The prompts as the engine takes them: tokenized here where the model has a tokenizer (so their lengths
+    size the run), each a user message in the chat template with ``--chat``."""
+    from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
+
+    if not has_tokenizer(model_path):
+        return list(args.prompts)
+    tok = Tokenizer.from_pretrained(model_path)
+    if not args.chat:
+        return [{"prompt": p, "prompt_token_ids": tok.encode(p)} for p in args.prompts]
+    # the template ends with the assistant's turn; generation stops at its end-of-turn token
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in args.prompts]
+    return [{"prompt": p, "prompt_token_ids": tok.encode(c, add_special_tokens=False)}
+            for p, c in zip(args.prompts, chats, strict=True)]
+
+
+def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: bool, given_max_model_len: bool):
+    """``config`` with the batching limits this run needs where the user gave none: as many sequences as
+    prompts, and a max_model_len of the longest prompt + ``max_tokens`` rounded up to a power of two (so
+    runs of similar length share compiled shapes), never past the model's. Both shrink the KV cache's need
+    and the buckets to compile."""
+    import dataclasses
+
+    limits = {}
+    if not given_max_num_seqs:
+        limits["max_num_seqs"] = len(prompts)
+    lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
+    if not given_max_model_len and len(lengths) == len(prompts):
+        limits["max_model_len"] = 1 << math.ceil(math.log2(max(lengths) + max_tokens))
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pipejax.ray_executor.llm import LLM
     from pipejax.runner.batch import SamplingParams
 
     start = time.perf_counter()
-    llm = _llm(args)
+    config = engine_config_from_args(args)
+    prompts = _generate_prompts(args, config.model.path)
+    config = generate_limits(config, prompts, args.max_tokens, args.max_num_seqs is not None,
+                             args.max_model_len is not None)
+    llm = LLM.from_config(config)
+    print(llm.engine.executor.kv_cache.describe())
     ready = time.perf_counter()
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
-    prompts = args.prompts
-    if args.chat:  # the template ends with the assistant's turn; generation stops at its end-of-turn token
-        tok = llm.engine.tokenizer
-        chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-        prompts = [{"prompt": p, "prompt_token_ids": tok.encode(c, add_special_tokens=False)}
-                   for p, c in zip(prompts, chats, strict=True)]
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()
     print(f"model: {llm.engine.config.model.path}")

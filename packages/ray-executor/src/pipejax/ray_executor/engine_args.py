@@ -28,15 +28,22 @@ ENV_KEYWORDS = {
     "platform_plugin": PLATFORM_PLUGIN_ENV,
     "model_cache_dir": "PIPEJAX_CACHE_DIR",  # runner.builtin_model.CACHE_DIR_ENV
     "compilation_cache_dir": "PIPEJAX_COMPILATION_CACHE_DIR",  # worker.worker.CACHE_DIR_ENV
+    "cpu_kvcache_space": "PIPEJAX_CPU_KVCACHE_SPACE",  # runner.config.CPU_KVCACHE_SPACE_ENV
 }
 
 
 def environment_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     """``engine_config``'s keywords as ``environ`` sets them (``ENV_KEYWORDS``); an unset or empty variable
     gives none, except ``PIPEJAX_COMPILATION_CACHE_DIR=""``, which turns the compilation cache off."""
-    out = {key: environ[name] for key, name in ENV_KEYWORDS.items() if environ.get(name)}
+    out: dict[str, Any] = {key: environ[name] for key, name in ENV_KEYWORDS.items() if environ.get(name)}
     if environ.get(ENV_KEYWORDS["compilation_cache_dir"]) == "":
         out["compilation_cache_dir"] = ""
+    if "cpu_kvcache_space" in out:
+        name, value = ENV_KEYWORDS["cpu_kvcache_space"], out["cpu_kvcache_space"]
+        try:
+            out["cpu_kvcache_space"] = float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number of GiB; set it to e.g. 4, or unset it") from None
     return out
 
 
@@ -95,7 +102,8 @@ def engine_config(
     model_impl: str = "jax",
     block_size: int = 16,
     num_kv_blocks: int | None = None,
-    gpu_memory_utilization: float = 0.5,
+    gpu_memory_utilization: float | None = None,
+    cpu_kvcache_space: float | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 512,
@@ -117,7 +125,10 @@ def engine_config(
     (RAY_ADDRESS; a local cluster), ``ray_device_resource`` (PIPEJAX_RAY_DEVICE_RESOURCE; pipejax_cpu_device),
     ``platform_plugin`` (PIPEJAX_PLATFORM_PLUGIN; the one that applies), ``model_cache_dir`` (PIPEJAX_CACHE_DIR:
     where 'builtin' models are generated; ~/.cache/pipejax), ``compilation_cache_dir``
-    (PIPEJAX_COMPILATION_CACHE_DIR; ~/.cache/pipejax/jax-compilation; "" turns the cache off)."""
+    (PIPEJAX_COMPILATION_CACHE_DIR; ~/.cache/pipejax/jax-compilation; "" turns the cache off),
+    ``cpu_kvcache_space`` (PIPEJAX_CPU_KVCACHE_SPACE: GiB of host RAM for the KV caches of every stage on a CPU
+    host; runner's ``CacheConfig`` has the default and ``pipejax.worker.kv_sizing`` the arithmetic).
+    ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig`` default on accelerators."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
     from pipejax.runner.config import CacheConfig, SchedulerConfig
@@ -130,6 +141,7 @@ def engine_config(
         "platform_plugin": platform_plugin,
         "model_cache_dir": model_cache_dir,
         "compilation_cache_dir": compilation_cache_dir,
+        "cpu_kvcache_space": cpu_kvcache_space,
     }
     env = environment_defaults(os.environ) | {k: v for k, v in explicit.items() if v is not None}
     compile_cache = env.get("compilation_cache_dir")  # "": off
@@ -143,7 +155,10 @@ def engine_config(
             pp_layer_partition=env.get("pp_layer_partition"),
             distributed_executor_backend=distributed_executor_backend,
         ),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization,
+            cpu_kvcache_space=env.get("cpu_kvcache_space"),
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
         ),
@@ -165,6 +180,7 @@ ENGINE_ARGS = tuple(inspect.signature(engine_config).parameters)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
-    """``engine_config`` of the parsed engine arguments (those the command has), with ``overrides``."""
-    given = {name: getattr(args, name) for name in ENGINE_ARGS if hasattr(args, name)}
+    """``engine_config`` of the parsed engine arguments (those the command has, a flag left None taking
+    ``engine_config``'s default), with ``overrides``."""
+    given = {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
     return engine_config(**{**given, **overrides})

@@ -4,16 +4,30 @@ call any method of every stage's worker (``collective_rpc``). ``factory.py`` map
 from __future__ import annotations
 
 import abc
+import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from pipejax.ray_executor.config import EngineConfig
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.worker import StageInfo
+from pipejax.worker.kv_sizing import KVCachePlan
+
+log = logging.getLogger(__name__)
+
+
+def choose_kv_cache(plans: Sequence[KVCachePlan]) -> KVCachePlan:
+    """Every stage holds the same block ids, so all take the smallest count any stage can afford; that
+    stage's plan is the engine's, logged in one line (``pipejax generate`` prints it)."""
+    plan = min(plans, key=lambda p: p.num_blocks)
+    log.info("%s", plan.describe())
+    return plan
 
 
 class Executor(abc.ABC):
     config: EngineConfig
+    kv_cache: KVCachePlan  # the KV cache every stage holds (``choose_kv_cache``)
     num_kv_blocks: int
     block_size: int
 

@@ -20,7 +20,7 @@ import jax
 
 from pipejax.pp_utils import InProcessTransport, stage_devices
 from pipejax.ray_executor.config import EngineConfig
-from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.base import Executor, choose_kv_cache
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.worker import StageWorker
 
@@ -54,8 +54,9 @@ class InProcessExecutor(Executor):
             recv = links[rank - 1] if rank > 0 else None
             send = links[rank] if rank < len(links) else None
             self.workers.append(StageWorker(config.worker_config(rank), devices, recv, send))
-        # Every stage holds the same block ids, so all use the smallest count any can afford.
-        self.num_kv_blocks = min(w.available_kv_blocks() for w in self.workers)
+        # Every stage is in this process, on this host: they share its RAM on CPU.
+        self.kv_cache = choose_kv_cache([w.kv_cache_plan(stages_on_host=len(self.workers)) for w in self.workers])
+        self.num_kv_blocks = self.kv_cache.num_blocks
         self.block_size = config.cache.block_size
         for w in self.workers:
             w.load(self.num_kv_blocks)

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from pipejax.ray_executor.config import EngineConfig
-from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.base import Executor, choose_kv_cache
 from pipejax.ray_executor.executor.compiled_graph import CompiledPipeline
 from pipejax.ray_executor.executor.ray_placement import (
     TPU_RESOURCE,
@@ -65,7 +65,8 @@ class RayExecutor(Executor):
         self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
         # On CPU, stages on one host share its RAM: each sizes its KV cache for the most crowded host.
         crowded = max(p["local_world_size"] for p in self.placement)
-        self.num_kv_blocks = min(self.collective_rpc("available_kv_blocks", stages_on_host=crowded))
+        self.kv_cache = choose_kv_cache(self.collective_rpc("kv_cache_plan", stages_on_host=crowded))
+        self.num_kv_blocks = self.kv_cache.num_blocks
         self.block_size = config.cache.block_size
         self.collective_rpc("load", self.num_kv_blocks)
         log.info("ray executor: %s", "; ".join(self._name(r) for r in range(pp)))

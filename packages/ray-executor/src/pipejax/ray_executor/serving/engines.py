@@ -12,12 +12,17 @@ disjoint chips. Addresses go to the actors as arguments; nothing is asked back.
 Backend ``mp``: each local engine process starts with the environment the platform plans for it
 (``PlatformPlan.engines``: its own box of chips on a TPU host).
 
+On CPU the engines on one host share its KV cache budget (``CacheConfig.cpu_kvcache_space``): each engine
+gets the count of engines on its most crowded host in ``CacheConfig.engines_on_host`` (``ray``: from where
+the placement groups were placed; ``mp``: the engines this command starts here).
+
 ``poll_dead`` reports each engine that ended, with the cause (not naming the engine), exactly once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -32,6 +37,20 @@ from pipejax.ray_executor.serving.engine_core import EngineCoreActor, run_engine
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0
+
+
+def engines_sharing_hosts(nodes_per_engine: list[set[str]]) -> list[int]:
+    """For each engine (the nodes its stages were placed on), the most engines that share one of its nodes."""
+    count: dict[str, int] = {}
+    for nodes in nodes_per_engine:
+        for node in nodes:
+            count[node] = count.get(node, 0) + 1
+    return [max((count[n] for n in nodes), default=1) for nodes in nodes_per_engine]
+
+
+def with_engines_on_host(config: EngineConfig, engines_on_host: int) -> EngineConfig:
+    """``config`` for an engine that shares its host with ``engines_on_host - 1`` others (its KV budget share)."""
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, engines_on_host=engines_on_host))
 
 
 def _cause(exc: BaseException) -> str:
@@ -68,7 +87,8 @@ class RayEngines:
         self.warmup = warmup
         self.actors: list = []
         self.groups: list = []
-        self.nodes: list[str] = []
+        self.nodes: list[str] = []  # each rank's bundle-0 node
+        self.engines_on_host: list[int] = []  # each rank's count of engines on its most crowded host
         self._pending: dict = {}  # run() ref -> rank
         self._started_ray = False
         self.units = None  # ray_placement.StageUnits, once placed
@@ -104,7 +124,8 @@ class RayEngines:
                 name=f"pipejax-engine-{rank}-{pg.id.hex()[:8]}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
                 runtime_env={"env_vars": base_environment()},
-            ).remote(self.config, rank, self.addresses, self.warmup, placement_group=pg)
+            ).remote(with_engines_on_host(self.config, self.engines_on_host[rank]), rank, self.addresses, self.warmup,
+                     placement_group=pg)
             self.actors.append(actor)
             self._pending[actor.run.remote()] = rank
         par = self.config.parallel
@@ -139,7 +160,9 @@ class RayEngines:
                 f"x {units.bundles(1)[0]} ({where}) within {timeout:.0f}s; only "
                 f"{len(ready)} fit. '{resource}' per node: {nodes}. Add nodes, or lower -dp/-pp/-tp/-dpl."
             )
-        self.nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.groups]
+        placed = [placement_group_table(pg)["bundles_to_node_id"] for pg in self.groups]
+        self.nodes = [bundles[0] for bundles in placed]
+        self.engines_on_host = engines_sharing_hosts([set(bundles.values()) for bundles in placed])
 
     def _check_reachable(self, head: str) -> None:
         """Engines on another machine cannot reach sockets bound to loopback."""
@@ -221,8 +244,9 @@ class ProcessEngines:
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         for rank in self.ranks:
+            config = with_engines_on_host(self.config, len(self.ranks))  # every one of them is on this host
             proc = ctx.Process(target=run_engine_process, name=f"pipejax-engine-{rank}",
-                               args=(self.config, rank, self.addresses, self.warmup))
+                               args=(config, rank, self.addresses, self.warmup))
             # A spawned process takes this process's environment when it starts (and JAX reads it at
             # import, before the target runs): set the engine's for the start, then put ours back.
             with _environment(self.environment(rank)):
