@@ -247,7 +247,7 @@ def _attention_kernel_line(dd: dict) -> str:
     """The decode attention's kernel next to XLA's formulation, same step, same batch (decode section)."""
     xla = dd["xla_attention_parts_ms"]
     p = dd["parts_ms"]
-    return (f"Decode rows attend with the hand-written CPU kernel (`pipejax.runner.cpu_decode_attention`, an XLA "
+    return (f"Decode rows attend with the hand-written CPU kernel (`pipejax.runner.cpu.decode_attention`, an XLA "
             f"FFI custom call that walks each row's block table and reads every K/V slot once): the jitted forward "
             f"takes {p['forward']:.0f} ms with it against {xla['forward']:.0f} ms with XLA's formulation (a "
             "multiply-reduce over the block-table gather), same step, measured after it. ")
@@ -575,7 +575,7 @@ class Report:
         if kab:
             out += ["", "The runner's decode steps on CPU run their dense matmuls on a hand-written kernel "
                     "(`StageRunner(dense_matmuls=...)`, \"cpu-kernel\" by default for float32 on CPU; "
-                    "`pipejax.runner.cpu_dense`, an XLA FFI custom call compiled by numba). The stage stores each "
+                    "`pipejax.runner.cpu.dense`, an XLA FFI custom call compiled by numba). The stage stores each "
                     "dense weight in panels of 32 output columns (`model.Panels`), so that the kernel streams a "
                     "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps run "
                     "on it too. The dense matmuls alone, same rounds, median ms: "
@@ -591,7 +591,7 @@ class Report:
         pab = dd.get("prefill_attention_vs_xla")
         if pab:
             out += ["", "The prefill rows' attention runs on a hand-written CPU kernel too "
-                    "(`StageRunner(prefill_attention=...)`, `pipejax.runner.cpu_prefill_attention`): one task per "
+                    "(`StageRunner(prefill_attention=...)`, `pipejax.runner.cpu.prefill_attention`): one task per "
                     "(row, KV head) reads the row's K and V once from the paged cache and multiplies on the dense "
                     "kernel's microkernel, each tile of queries only as far into the context as it sees. The "
                     f"2048-token prefill forward took {fmt(pab['kernel_ms'], 0)} ms with it against "
@@ -600,7 +600,7 @@ class Report:
         if dd.get("few_row_dots") and dd.get("dense_matmuls", "xla") == "xla":
             lo, hi = dd["few_row_dots_rows"]
             out += ["", f"Decode steps of {lo}-{hi} rows ran their dots on **{dd['few_row_dots']}** here "
-                    "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu_dots`: at its first such step the runner "
+                    "(`StageRunner(few_row_dots=...)`, `pipejax.runner.cpu.dots`: at its first such step the runner "
                     "reads the choice an earlier process left next to the compilation cache, or else "
                     "times a 16-row pair of MLP dots with XLA:CPU's default YNNPACK fusions and without them, and "
                     "picks XLA's own "

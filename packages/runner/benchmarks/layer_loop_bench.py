@@ -11,7 +11,7 @@ place), so a weight-bound step reads and writes every weight once more than it n
 (21.1 GB/s) / static slices 109.2 ms; batch 64, 91.9 / 71.6 / 171.0 ms.
 
 The runner's decode steps on CPU therefore run the layers unrolled over per-layer views of the stacked
-weights (``pipejax.runner.layer_views``; ``StageRunner(decode_layers=...)``); its effect on the runner's own
+weights (``pipejax.runner.cpu.layer_views``; ``StageRunner(decode_layers=...)``); its effect on the runner's own
 step is in the runner README and BENCHMARKS.md's decode section.
 """
 

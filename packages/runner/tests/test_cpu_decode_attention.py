@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipejax.runner import cpu_decode_attention as kernel
+from pipejax.runner.cpu import decode_attention as kernel
 
 L, N, BLOCK, K, D = 3, 40, 16, 2, 32
 
@@ -50,7 +50,7 @@ def test_matches_numpy_attention(heads, window):
 def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads, B, spread):
     """Few rows: each row's KV heads are split between tasks (3 rows x 4 KV heads: unevenly); many: one task
     per row; few rows of short context (2 x 96 slots): all on the calling thread."""
-    from pipejax.runner import cpu_decode_kernel
+    from pipejax.runner.cpu import decode_kernel as cpu_decode_kernel
 
     assert (rows * B * BLOCK >= cpu_decode_kernel._MIN_PARALLEL_SLOTS) == spread  # the case tests what it says
     rng = np.random.default_rng(rows)
@@ -124,7 +124,9 @@ def test_the_runner_says_which_attention_runs_and_refuses_what_cannot(tmp_path):
 
     make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)
     mesh, cache = stage_mesh(jax.devices()[:1]), CacheConfig(num_blocks=8)
-    assert StageRunner(tmp_path, mesh, cache=cache).decode_attention == "cpu-kernel"
+    runner = StageRunner(tmp_path, mesh, cache=cache)
+    assert runner.decode_attention == runner.selection.measured["decode_attention"]["choice"]  # measured here
+    assert StageRunner(tmp_path, mesh, cache=cache, decode_attention="cpu-kernel").decode_attention == "cpu-kernel"
     assert StageRunner(tmp_path, mesh, cache=cache, decode_attention="xla").decode_attention == "xla"
     bf16 = ModelConfig.from_pretrained(tmp_path, dtype="bfloat16")
     assert StageRunner(tmp_path, mesh, cache=cache, model_config=bf16).decode_attention == "xla"
@@ -137,7 +139,7 @@ def test_the_runner_says_which_attention_runs_and_refuses_what_cannot(tmp_path):
 FALLBACK = """
 import logging, sys
 import jax, numpy as np
-from pipejax.runner import cpu_decode_attention, cpu_decode_kernel
+from pipejax.runner.cpu import decode_attention as cpu_decode_attention, decode_kernel as cpu_decode_kernel
 build = cpu_decode_kernel.compile_handler
 def broken(parallel=False):
     if parallel or sys.argv[2] == "no-llvm":

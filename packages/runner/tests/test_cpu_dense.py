@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from pipejax.runner import cpu_dense
+from pipejax.runner.cpu import dense as cpu_dense
 from pipejax.runner.model import PANEL, Panels, dense
 
 
@@ -105,9 +105,10 @@ def test_kernel_is_built():
 
 
 def test_the_runner_takes_the_kernel_on_one_cpu_device_only(tmp_path):
-    """"auto": the kernel and weights in panels at tp = 1; XLA's dot and the weights' own layout at tp = 2 (where
-    XLA's sharded dots run, and read panels slowly at a decode step's rows); asking for the kernel there, or for
-    a choice that does not exist, says what to do."""
+    """"auto": at tp = 1 whichever of the kernel (weights in panels) and XLA's dot measured faster here; XLA's dot
+    and the weights' own layout at tp = 2 (where XLA's sharded dots run, and read panels slowly at a decode step's
+    rows); "cpu-kernel" forces panels at tp = 1; asking for the kernel at tp = 2, or for a choice that does not
+    exist, says what to do."""
     from hf_oracle import make_hf_checkpoint
 
     from pipejax.pp_utils import stage_mesh
@@ -118,12 +119,50 @@ def test_the_runner_takes_the_kernel_on_one_cpu_device_only(tmp_path):
     cache = CacheConfig(num_blocks=8)
     one, two = stage_mesh(jax.devices()[:1]), stage_mesh(jax.devices()[:2])
     runner = StageRunner(tmp_path, one, cache=cache)
-    assert runner.dense_matmuls == "cpu-kernel" and isinstance(runner.params["layers.o"], Panels)
+    measured = runner.selection.measured["dense_matmuls"]
+    assert runner.dense_matmuls == measured["choice"]
+    assert isinstance(runner.params["layers.o"], Panels) == (measured["choice"] == "cpu-kernel")
+    forced = StageRunner(tmp_path, one, cache=cache, dense_matmuls="cpu-kernel")
+    assert forced.dense_matmuls == "cpu-kernel" and isinstance(forced.params["layers.o"], Panels)
     runner = StageRunner(tmp_path, two, cache=cache)
     assert runner.dense_matmuls == "xla" and not any(isinstance(w, Panels) for w in runner.params.values())
     assert StageRunner(tmp_path, one, cache=cache, dense_matmuls="xla").dense_matmuls == "xla"
     with pytest.raises(ValueError, match=r"dense_matmuls='cpu-kernel' needs the native model implementation, one "
-                                         r"CPU device per stage \(tp = 1\), float32 and numba \(here: 'jax', 2 cpu"):
+                                         r"CPU device per stage \(tp = 1\), float32 and numba \(here: 2 cpu device"):
         StageRunner(tmp_path, two, cache=cache, dense_matmuls="cpu-kernel")
     with pytest.raises(ValueError, match="dense_matmuls='mkl'; use 'auto', 'xla' or 'cpu-kernel'"):
         StageRunner(tmp_path, one, cache=cache, dense_matmuls="mkl")
+
+
+AVX2_CHECK = """
+import jax, numpy as np
+from pipejax.runner.cpu import dense as cpu_dense, dense_kernel
+assert (dense_kernel.LANES, dense_kernel.ROW_TILES) == (8, (3, 2, 1)), (dense_kernel.LANES, dense_kernel.ROW_TILES)
+rng = np.random.default_rng(0)
+for rows in (1, 2, 3, 5, 13, 64):
+    x = rng.standard_normal((rows, 40), np.float32)
+    w = rng.standard_normal((40, 4 * 32), np.float32)
+    panels = jax.numpy.asarray(np.ascontiguousarray(w.reshape(40, 4, 32).transpose(1, 0, 2)))[None]
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels)), want, rtol=1e-4, atol=1e-4)
+    gate, up = want[:, :64], want[:, 64:]
+    np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels, gated=True)), gate / (1 + np.exp(-gate)) * up,
+                               rtol=1e-4, atol=1e-4)
+    res = rng.standard_normal((rows, 128), np.float32)
+    np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels, residual=jax.numpy.asarray(res))), res + want,
+                               rtol=1e-4, atol=1e-4)
+assert cpu_dense.prepare()
+print("ok")
+"""
+
+
+def test_the_avx2_tile_matches_numpy(tmp_path):
+    """Compiled for an AVX2 target (numba's ``NUMBA_CPU_NAME=haswell``, which this host runs whatever its own ISA),
+    the kernel takes the AVX2 tile (3 rows x 4 registers of 8 lanes) and still matches numpy in every mode."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipejax.pp_utils import stage_mesh
-from pipejax.runner import cpu_dots
+from pipejax.runner.cpu import dots as cpu_dots
 from pipejax.runner.model import StepShape
 
 

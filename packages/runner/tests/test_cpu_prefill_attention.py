@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipejax.runner import cpu_prefill_attention as kernel
+from pipejax.runner.cpu import prefill_attention as kernel
 from pipejax.runner.model import prefill_attention
 
 L, BLOCK, D = 2, 16, 64
@@ -99,9 +99,9 @@ def test_each_device_runs_its_own_heads():
 
 
 def test_the_runner_takes_the_kernel_on_cpu(tmp_path):
-    """"auto": the kernel on CPU stages at tp = 1 and 2 where the head dim is whole panels (32); XLA's formulation
-    below that (16), where asking for the kernel says why; "xla" keeps XLA's; a choice that does not exist says
-    what to use."""
+    """"auto": on CPU stages at tp = 1 and 2 where the head dim is whole panels (32), whichever of the kernel and
+    XLA's formulation measured faster; XLA's below that (16), where asking for the kernel says why; "xla" and
+    "cpu-kernel" force a choice; a choice that does not exist says what to use."""
     from hf_oracle import make_hf_checkpoint
 
     from pipejax.pp_utils import stage_mesh
@@ -115,9 +115,12 @@ def test_the_runner_takes_the_kernel_on_cpu(tmp_path):
     one = stage_mesh(jax.devices()[:1])
     for devices in (1, 2):
         runner = StageRunner(panels, stage_mesh(jax.devices()[:devices]), cache=cache)
-        assert runner.cfg.head_dim == 32 and runner.prefill_attention == "cpu-kernel"
+        assert runner.cfg.head_dim == 32
+        assert runner.prefill_attention == runner.selection.measured["prefill_attention"]["choice"]
+    assert StageRunner(panels, one, cache=cache, prefill_attention="cpu-kernel").prefill_attention == "cpu-kernel"
     runner = StageRunner(small, one, cache=cache)
     assert runner.cfg.head_dim == 16 and runner.prefill_attention == "xla"
+    assert "prefill_attention" not in runner.selection.measured  # nothing to measure where the kernel cannot run
     with pytest.raises(ValueError, match="prefill_attention='cpu-kernel' needs .* a head dim divisible by 32"):
         StageRunner(small, one, cache=cache, prefill_attention="cpu-kernel")
     assert StageRunner(panels, one, cache=cache, prefill_attention="xla").prefill_attention == "xla"

@@ -3,7 +3,7 @@ numerators (values shifted by their maximum)."""
 
 import numpy as np
 
-from pipejax.runner.cpu_vector_exp import exp_f32, softmax_numerators
+from pipejax.runner.cpu.vector_exp import exp_f32, softmax_numerators
 
 
 def test_exp_matches_numpy():

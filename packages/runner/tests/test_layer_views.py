@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import stage_mesh
-from pipejax.runner.layer_views import per_layer
+from pipejax.runner.cpu.layer_views import per_layer
 
 
 def _stacked(mesh, shape, spec):
@@ -64,8 +64,8 @@ def test_small_unaligned_layers_are_copied_large_ones_refused():
 def test_the_runner_unrolls_cpu_decode_steps_and_falls_back_to_the_scan(tmp_path, monkeypatch, caplog):
     from hf_oracle import make_hf_checkpoint
 
-    from pipejax.runner import layer_views
     from pipejax.runner.config import CacheConfig
+    from pipejax.runner.cpu import layer_views
     from pipejax.runner.runner import StageRunner
 
     make_hf_checkpoint(tmp_path, "LlamaForCausalLM", max_position_embeddings=64)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(300)
 SCRIPT = r"""
 import sys
 from pipejax.runner.config import StageConfig
-from pipejax.runner import cpu_dots
+from pipejax.runner.cpu import dots as cpu_dots
 from pipejax.worker import StageWorker, WorkerConfig, worker as worker_module
 worker_module.MIN_CACHED_COMPILE_S = 0.0
 cpu_dots.measured_choice = lambda: sys.argv[3]  # what this process would measure

@@ -6,7 +6,7 @@ memory bandwidth), the rates measured in the same repeat as the steps (so both s
 temperature 1 included, until the tokens are on the host), pp=1 tp=1 on one CPU device.
 
 The runner's default decode attention is timed (on CPU: the hand-written kernel of
-``pipejax.runner.cpu_decode_attention``); at the headline batch the step is split into its parts (host inputs, the
+``pipejax.runner.cpu.decode_attention``); at the headline batch the step is split into its parts (host inputs, the
 jitted forward, sampling), the same parts with XLA's formulation of the decode attention are set next to them, and
 set next to the same model's dense matmuls alone (every weight matrix once, same batch, one jit): the part of the
 forward that is not the weights' matmuls is attention and the paged KV gather. The same matmuls in torch and in
@@ -96,7 +96,7 @@ class DecodeBench:
     def compile_steps(self, sizes: list[int]) -> dict[int, float]:
         """Seconds of each size's first step, its compile included (the CPU kernel's own build is not: it is
         once per process, and comes before)."""
-        from pipejax.runner import cpu_decode_attention
+        from pipejax.runner.cpu import decode_attention as cpu_decode_attention
 
         if self.runner.decode_attention == "cpu-kernel":
             cpu_decode_attention.prepare()
@@ -192,7 +192,7 @@ class DenseMatmuls:
         import jax
         import jax.numpy as jnp
 
-        from pipejax.runner import cpu_dense
+        from pipejax.runner.cpu import dense as cpu_dense
         from pipejax.runner.model import PANEL
 
         E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer_loop = {n: {k: summary(v) for k, v in times.items()} for n, times in layer_loop.items()}
     dense_ms = layer_loop[b]["per_layer_ms"]["median"]
     gather_ms = kv_gather(cfg, b, parts["shape"][4], bench.block, steps) * 1e3
-    from pipejax.runner import cpu_dots
+    from pipejax.runner.cpu import dots as cpu_dots
 
     bench_layers, bench_dots, bench_dense = bench.runner.decode_layers, bench.runner.few_row_dots, \
         bench.runner.dense_matmuls

@@ -35,7 +35,7 @@ class ParamSpec:
 # --- dense weights in panels (CPU) ------------------------------------------------------------
 # On CPU stages the dense weights are stored in panels of PANEL output columns: a weight [*lead, *in, *out]
 # as [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL], so that a matmul streams each panel's columns for
-# every input row from contiguous memory (``cpu_dense_kernel``): at a decode step's few rows far faster than
+# every input row from contiguous memory (``cpu.dense_kernel``): at a decode step's few rows far faster than
 # XLA's dot reads a row-major weight, and at a prefill's many rows a little faster.
 PANEL = 32
 # The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
@@ -105,10 +105,8 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
     specs = {
         "layers.input_norm": ParamSpec((L, E), (None, "embed")),
         # q, k and v as one weight (one dot): per KV head, its G = H / K query heads, then its key, then its
-        # value, so a TP shard of KV heads holds whole groups. gate and up likewise, [E, 2, F]. On XLA:CPU each
-        # dot of a batch-1 decode step costs more than its bytes: fused, the benchmark model's step went from
-        # 18.7 to 16.6 ms (medians of 6 alternated runs, 2026-12-03); batch 16 and 64 and a 2048-token prefill
-        # step were unchanged within their noise.
+        # value, so a TP shard of KV heads holds whole groups. gate and up likewise, [E, 2, F]: one dot where
+        # there were three (on XLA:CPU each dot of a few-row decode step costs more than its bytes).
         "layers.qkv": ParamSpec((L, E, K, H // K + 2, D), (None, "embed", "kv_heads", None, None)),
         "layers.o": ParamSpec((L, H, D, E), (None, "heads", None, "embed")),
         "layers.post_norm": ParamSpec((L, E), (None, "embed")),
@@ -219,8 +217,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 class RopeTables(NamedTuple):
     """cos and signed sin [T, 1, D] of the step's positions, computed once per step: in the unrolled decode layers
-    XLA:CPU fused a cos of [T, D] into each [T, H, D] consumer, computing it again for every head of every layer
-    (the 64-row decode step's thunks outside the kernels: 14.8 -> 5.8 ms, profiler, 2026-12-03)."""
+    XLA:CPU fused a cos of [T, D] into each [T, H, D] consumer, computing it again for every head of every layer."""
 
     cos: jax.Array
     sin: jax.Array  # -sin on the first half of D, +sin on the second: rotate-half's sign folded in
@@ -239,10 +236,22 @@ def apply_rope(x: jax.Array, rope: RopeTables) -> jax.Array:
     return x * rope.cos + swapped * rope.sin
 
 
+class Kernels(NamedTuple):
+    """A backend's substitutes for parts of this file's XLA formulation (None: the formulation here). The CPU
+    backend's come from ``pipejax.runner.cpu.select``; every other backend runs this file as it reads."""
+
+    dense: Callable | None = None  # a matmul over weights in panels (see ``dense``)
+    decode_attention: Callable | None = None  # replaces ``decode_attention`` (see ``paged_attention``)
+    prefill_attention: Callable | None = None  # replaces ``prefill_attention`` (see ``paged_attention``)
+
+
+NO_KERNELS = Kernels()
+
+
 def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
           gated: bool = False, residual: jax.Array | None = None) -> jax.Array:
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
-    with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``cpu_dense.matmul``), used for weights in
+    with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``Kernels.dense``), used for weights in
     panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result silu(gate) * up [T, *rest].
     ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place)."""
     if not isinstance(w, Panels):
@@ -287,10 +296,8 @@ def _visible(ctx: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> ja
     return visible
 
 
-# At most 4 query chunks: on XLA:CPU, 16 x 128 tokens, 12 layers, 1 / 2 / 4 / 8 chunks took 209 / 169 / 149 / 135
-# ms of attention and one 2048-token prompt 1473 / 1175 / 961 / 924 ms, while each chunk adds about 0.07 s to
-# the compile of every prefill shape (16 x 128 tokens: 0.31 s with 2 chunks, 0.57 with 4, 0.88 with 8; the
-# dense formulation before the chunks, 0.30). One-off probes over this function, 2026-12-01, not kept here.
+# At most 4 query chunks: more chunks skip more of the causal triangle, but each adds to the compile of every
+# prefill shape, and past 4 the compile grew faster than the attention shrank (XLA:CPU, 16 x 128 tokens).
 PREFILL_QUERY_CHUNKS = 4
 PREFILL_MIN_CHUNK = 16  # query tokens; smaller chunks cost more in per-matmul overhead than they skip
 
@@ -313,8 +320,7 @@ def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables,
     context is gathered once [R, K, C, D]; the queries sharing a KV head are one matmul operand (GQA), and
     the query slots go in chunks that each score only the context a right-aligned row can see from them:
     chunk [lo, hi) ends at context slot C - Q + hi, which skips most of the causal triangle a dense
-    [Q, C] block computes and throws away (on XLA:CPU the 16 x 128-token prefill step's attention went from
-    300-350 ms to well under 100: ray-executor's ``benchmarks/prefill_attention_share.py``).
+    [Q, C] block computes and throws away (ray-executor's ``benchmarks/prefill_attention_share.py`` measures it).
     q [T, H, D], k_layer/v_layer [N, block_size, K, D]. Returns [R, Q, H, D]."""
     T, H, D = q.shape
     _, block_size, K, _ = k_layer.shape
@@ -368,21 +374,21 @@ def paged_attention(
     inp: StepInputs,
     shape: StepShape,
     sliding_window: int | None,
-    decode_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None,
+    kernels: Kernels = NO_KERNELS,
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D].
-    ``decode_kernel`` (e.g. ``cpu_decode_attention.paged_decode_attention``) replaces ``decode_attention``,
-    ``prefill_kernel`` (``cpu_prefill_attention.paged_prefill_attention``) ``prefill_attention``."""
+    ``kernels.decode_attention`` replaces ``decode_attention``, ``kernels.prefill_attention`` ``prefill_attention``
+    (each over the whole cache and a layer index)."""
     _, H, D = q.shape
     P = shape.prefill_rows
     parts = []
     if P:
         rows = slice(0, P)
         tables = inp.block_tables[rows, : shape.prefill_blocks or shape.blocks]
-        if prefill_kernel is not None:  # the whole cache goes in, as for the decode kernel
-            out = prefill_kernel(q, k_cache, v_cache, layer, inp.row_query_start[rows], inp.row_start_pos[rows],
-                                 tables, shape.query, sliding_window).astype(q.dtype)
+        if kernels.prefill_attention is not None:  # the whole cache goes in, as for the decode kernel
+            out = kernels.prefill_attention(q, k_cache, v_cache, layer, inp.row_query_start[rows],
+                                            inp.row_start_pos[rows], tables, shape.query, sliding_window)
+            out = out.astype(q.dtype)
         else:
             out = prefill_attention(q, k_cache[layer], v_cache[layer], inp.row_query_start[rows],
                                     inp.row_start_pos[rows], tables, shape.query, sliding_window)
@@ -390,8 +396,8 @@ def paged_attention(
     if shape.decode_rows:
         rows = slice(P, P + shape.decode_rows)
         query_start, start_pos, tables = inp.row_query_start[rows], inp.row_start_pos[rows], inp.block_tables[rows]
-        if decode_kernel is not None:  # the whole cache goes in: a layer slice would be a copy
-            out = decode_kernel(q[query_start], k_cache, v_cache, layer, tables, start_pos, sliding_window)
+        if kernels.decode_attention is not None:  # the whole cache goes in: a layer slice would be a copy
+            out = kernels.decode_attention(q[query_start], k_cache, v_cache, layer, tables, start_pos, sliding_window)
             parts.append(out.astype(q.dtype))
         else:
             parts.append(decode_attention(q, k_cache[layer], v_cache[layer], query_start, start_pos, tables,
@@ -400,23 +406,28 @@ def paged_attention(
     return out[inp.token_out]
 
 
+class LayerContext(NamedTuple):
+    """What every decoder layer of one step reads besides its weights and the cache."""
+
+    inp: StepInputs
+    cfg: ModelConfig
+    rope: RopeTables
+    shape: StepShape
+    block_size: int
+    kernels: Kernels
+
+
 def attention(
-    x: jax.Array,
+    x: jax.Array,  # [T, E], normed
     p: dict[str, jax.Array],
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
-    inp: StepInputs,
-    cfg: ModelConfig,
-    rope: RopeTables,
-    shape: StepShape,
-    block_size: int,
-    decode_kernel: Callable | None = None,
-    dense_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None,
+    ctx: LayerContext,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention of x [T, E] before its output projection ([T, H, D]), and the caches with the step's K/V."""
-    qkv = dense(x, p["qkv"], 1, dense_kernel)  # [T, K, G + 2, D]
+    cfg, inp = ctx.cfg, ctx.inp
+    qkv = dense(x, p["qkv"], 1, ctx.kernels.dense)  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
     k, v = qkv[:, :, G], qkv[:, :, G + 1]  # [T, K, D]
@@ -424,35 +435,21 @@ def attention(
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    block, offset = inp.slot_mapping // block_size, inp.slot_mapping % block_size
+    q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
+    block, offset = inp.slot_mapping // ctx.block_size, inp.slot_mapping % ctx.block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
-    out = paged_attention(q, k_cache, v_cache, layer, inp, shape, cfg.sliding_window, decode_kernel, prefill_kernel)
+    out = paged_attention(q, k_cache, v_cache, layer, inp, ctx.shape, cfg.sliding_window, ctx.kernels)
     return out, k_cache, v_cache
 
 
-def decoder_layer(x, p, k_cache, v_cache, layer, inp, cfg, rope, shape, block_size, decode_kernel=None,
-                  dense_kernel=None, prefill_kernel=None):
-    out, k_cache, v_cache = attention(
-        rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
-        p,
-        k_cache,
-        v_cache,
-        layer,
-        inp,
-        cfg,
-        rope,
-        shape,
-        block_size,
-        decode_kernel,
-        dense_kernel,
-        prefill_kernel,
-    )
+def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
+    eps, kernel = ctx.cfg.rms_norm_eps, ctx.kernels.dense
+    out, k_cache, v_cache = attention(rms_norm(x, p["input_norm"], eps), p, k_cache, v_cache, layer, ctx)
     # x + o(out): (h, d) contracted in the weight's memory order (jnp.einsum orders them (d, h), and XLA then
     # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
-    x = dense(out, p["o"], 2, dense_kernel, residual=x)
-    x = mlp(rms_norm(x, p["post_norm"], cfg.rms_norm_eps), p, x, dense_kernel)
+    x = dense(out, p["o"], 2, kernel, residual=x)
+    x = mlp(rms_norm(x, p["post_norm"], eps), p, x, kernel)
     return x, k_cache, v_cache
 
 
@@ -469,36 +466,32 @@ def stage_forward(
     stage: StageConfig,
     shape: StepShape,
     block_size: int,
-    decode_kernel: Callable | None = None,
-    dense_kernel: Callable | None = None,
-    prefill_kernel: Callable | None = None,
+    kernels: Kernels = NO_KERNELS,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Run the stage's layers. Returns (hidden [T, E] on non-last stages | logits [R, V] on the last, cache).
     ``params``: as ``param_specs`` names them (stacked layer weights, read by a scan), or with the stacked
-    weights replaced by ``"layers"``: a list of per-layer dicts (``layer_views.per_layer``), read in turn.
-    ``decode_kernel``: a hand-written decode attention to use instead of the XLA one (see ``paged_attention``).
-    ``dense_kernel``: a hand-written matmul for the weights stored in panels (see ``dense``).
-    ``prefill_kernel``: a hand-written prefill attention (see ``paged_attention``)."""
+    weights replaced by ``"layers"``: a list of per-layer dicts (``cpu.layer_views.per_layer``), read in turn.
+    ``kernels``: a backend's substitutes for parts of the formulation here (``Kernels``)."""
     if stage.is_first:
         x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     rope = rope_tables(inp.positions, jnp.asarray(rope_inv_freq(cfg)), x.dtype)
+    ctx = LayerContext(inp, cfg, rope, shape, block_size, kernels)
 
     def layer(carry, p, idx):
         x, k_all, v_all = carry
-        return decoder_layer(x, p, k_all, v_all, idx, inp, cfg, rope, shape, block_size, decode_kernel,
-                             dense_kernel, prefill_kernel)
+        return decoder_layer(x, p, k_all, v_all, idx, ctx)
 
     carry = (x, *kv_cache)
-    if "layers" in params:  # one array per layer and weight (``layer_views.per_layer``): the layers in turn
+    if "layers" in params:  # one array per layer and weight (``cpu.layer_views.per_layer``): the layers in turn
         for i, p in enumerate(params["layers"]):
             carry = layer(carry, p, i)
     else:  # stacked [L, ...] weights: a scan over the layers
         num_layers = kv_cache[0].shape[0]
         scanned = stacked_layers(params)
         # The dense kernel reads its layer's panels out of the whole stack: the scan would slice them into copies.
-        whole = {n: w for n, w in scanned.items() if isinstance(w, Panels)} if dense_kernel is not None else {}
+        whole = {n: w for n, w in scanned.items() if isinstance(w, Panels)} if kernels.dense is not None else {}
         scanned = {n: w for n, w in scanned.items() if n not in whole}
 
         def step(c, xs):
@@ -511,6 +504,6 @@ def stage_forward(
         return x, (k_all, v_all)
     x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
-    logits = dense(x, head, 1, dense_kernel).astype(jnp.float32)
+    logits = dense(x, head, 1, kernels.dense).astype(jnp.float32)
     return logits, (k_all, v_all)
 

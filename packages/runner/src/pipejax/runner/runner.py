@@ -12,10 +12,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
-from pipejax.runner import cpu_decode_attention, cpu_dense, cpu_dots, cpu_prefill_attention, layer_views
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.checkpoint import load_stage_params, use_panels
+from pipejax.runner.checkpoint import load_stage_params
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
+from pipejax.runner.cpu import dots as cpu_dots
+from pipejax.runner.cpu import layer_views
+from pipejax.runner.cpu.select import KernelOptions, select
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import NATIVE, get_model_impl
@@ -67,10 +69,15 @@ class StageRunner:
         )
         self.seed = seed
         self.impl = get_model_impl(model_impl)
-        self.dense_matmuls = self._choose_dense_matmuls(dense_matmuls)
+        options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers, few_row_dots)
+        # which CPU kernels run here: measured against XLA's formulation on this host where asked "auto"
+        self.selection = select(mesh, self.cfg, options, self.limits, native=self.impl is NATIVE,
+                                remember_in=jax.config.jax_compilation_cache_dir)
+        self.dense_matmuls = self.selection.dense_matmuls
+        self.decode_attention = self.selection.decode_attention
+        self.prefill_attention = self.selection.prefill_attention
         if self.impl is NATIVE:
-            self.params = load_stage_params(self.model_path, self.cfg, stage, mesh,
-                                            panels=self.dense_matmuls == "cpu-kernel")
+            self.params = load_stage_params(self.model_path, self.cfg, stage, mesh, panels=self.selection.panels)
         else:
             self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
         self.compiled_shapes: set[tuple] = set()
@@ -78,20 +85,14 @@ class StageRunner:
         self.kv_cache: tuple[jax.Array, jax.Array] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
         forward = functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size)
-        self.decode_attention = self._choose_decode_attention(decode_attention)
-        if self.decode_attention == "cpu-kernel":
-            forward = functools.partial(forward, decode_kernel=cpu_decode_attention.for_mesh(mesh))
-        if self.dense_matmuls == "cpu-kernel":
-            forward = functools.partial(forward, dense_kernel=cpu_dense.for_mesh(mesh))
-        self.prefill_attention = self._choose_prefill_attention(prefill_attention)
-        if self.prefill_attention == "cpu-kernel":
-            forward = functools.partial(forward, prefill_kernel=cpu_prefill_attention.for_mesh(mesh))
+        if self.impl is NATIVE:
+            forward = functools.partial(forward, kernels=self.selection.kernels(mesh))
         self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
                                            out_shardings=(self._replicated, self._cache_shardings()))
         self._step = self._jit_step()
-        self._few_row_dots = self._check_few_row_dots(few_row_dots)
+        self._few_row_dots = self.selection.few_row_dots
         self._decode_params = None  # per-layer views, where decode steps run the layers unrolled
-        if self._choose_decode_layers(decode_layers) == "unrolled":
+        if self.selection.decode_layers == "unrolled":
             try:
                 self._decode_params = layer_views.per_layer(self.params)
             except RuntimeError as e:  # a weight whose layers cannot be aliased: the scan, not a second copy
@@ -100,63 +101,6 @@ class StageRunner:
                 log.warning("stage %d: decode steps run the layer scan: %s", stage.pp_rank, e)
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
-
-    def _kernel_or_xla(self, option: str, wanted: str, fits: bool, needs: str) -> str:
-        """"cpu-kernel" or "xla" for ``option=wanted``: "auto" takes the kernel where it ``fits``; asking for it
-        where it does not is an error that says what it ``needs`` and what is here."""
-        if wanted not in ("auto", "xla", "cpu-kernel"):
-            raise ValueError(f"{option}={wanted!r}; use 'auto', 'xla' or 'cpu-kernel'")
-        if wanted == "cpu-kernel" and not fits:
-            here = (f"{self.impl.name!r}, {self.mesh.devices.size} {self.mesh.devices.flat[0].platform} device(s), "
-                    f"{self.cfg.dtype}, numba {'installed' if cpu_decode_attention.available() else 'missing'}")
-            raise ValueError(f"{option}='cpu-kernel' needs {needs} and numba (here: {here}); use 'auto'")
-        return "cpu-kernel" if wanted != "xla" and fits else "xla"
-
-    def _choose_decode_attention(self, wanted: str) -> str:
-        """"cpu-kernel" or "xla" (the model implementation's own, for non-native ones) for ``wanted``."""
-        fits = self.impl is NATIVE and cpu_decode_attention.usable(self.cfg.dtype, list(self.mesh.devices.flat))
-        return self._kernel_or_xla("decode_attention", wanted, fits,
-                                   "the native model implementation, CPU devices, float32")
-
-    def _choose_prefill_attention(self, wanted: str) -> str:
-        """"cpu-kernel" (``cpu_prefill_attention``) or "xla" for the prefill rows' attention."""
-        devices = list(self.mesh.devices.flat)
-        fits = self.impl is NATIVE and cpu_prefill_attention.usable(self.cfg.dtype, self.cfg.head_dim, devices)
-        return self._kernel_or_xla("prefill_attention", wanted, fits,
-                                   "the native model implementation, CPU devices, float32, a head dim divisible "
-                                   "by 32")
-
-    def _choose_dense_matmuls(self, wanted: str) -> str:
-        """"cpu-kernel" (dense weights in panels, multiplied by ``cpu_dense``) or "xla" for ``wanted``."""
-        fits = self.impl is NATIVE and use_panels(self.mesh, self.cfg) and cpu_decode_attention.available()
-        return self._kernel_or_xla("dense_matmuls", wanted, fits,
-                                   "the native model implementation, one CPU device per stage (tp = 1), float32")
-
-    def _choose_decode_layers(self, wanted: str) -> str:
-        """How a decode step runs the stage's layers: "unrolled" over per-layer views of the weights (CPU
-        stages of the native model: XLA:CPU's scan copies each layer's weights before its dots read them,
-        see ``layer_views``), or "scan" over the stacked weights (everything else, and every prefill step:
-        its weights are read once for many tokens, and an unrolled prefill compiles several times longer)."""
-        if wanted not in ("auto", "scan", "unrolled"):
-            raise ValueError(f"decode_layers={wanted!r}; use 'auto', 'scan' or 'unrolled'")
-        fits = self.impl is NATIVE and all(d.platform == "cpu" for d in self.mesh.devices.flat)
-        if wanted == "unrolled" and not fits:
-            raise ValueError(
-                f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
-                f"{self.impl.name!r} on {self.mesh.devices.flat[0].platform}); use 'auto'"
-            )
-        return "unrolled" if wanted != "scan" and fits else "scan"
-
-    def _check_few_row_dots(self, wanted: str) -> str | None:
-        """``wanted`` for ``few_row_dots`` ("auto" is measured when first needed); None off CPU."""
-        if wanted not in ("auto", *cpu_dots.CHOICES):
-            raise ValueError(f"few_row_dots={wanted!r}; use 'auto', 'ynnpack' or 'eigen'")
-        if not all(d.platform == "cpu" for d in self.mesh.devices.flat):
-            if wanted != "auto":
-                raise ValueError(f"few_row_dots={wanted!r} is an XLA:CPU choice; these are "
-                                 f"{self.mesh.devices.flat[0].platform} devices: use 'auto'")
-            return None
-        return wanted
 
     @property
     def few_row_dots(self) -> str | None:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import TP_AXIS
-from pipejax.runner.cpu_kernels import build_and_register
+from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.model import decode_attention
 
 TARGET = "pipejax_paged_decode_attention"
@@ -43,7 +43,7 @@ def available() -> bool:
 def _handler() -> Any:
     """Build and register the handler once (cached: it lives as long as the process); None (with a warning)
     where numba cannot build it."""
-    return build_and_register(TARGET, "pipejax.runner.cpu_decode_kernel", "decode-attention", "XLA's formulation")
+    return build_and_register(TARGET, "pipejax.runner.cpu.decode_kernel", "decode-attention", "XLA's formulation")
 
 
 def prepare() -> bool:

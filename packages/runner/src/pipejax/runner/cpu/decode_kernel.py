@@ -13,8 +13,8 @@ import math
 import numba
 import numpy as np
 
-from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
-from pipejax.runner.cpu_vector_exp import softmax_numerators
+from pipejax.runner.cpu.ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
+from pipejax.runner.cpu.vector_exp import softmax_numerators
 
 _ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
 

@@ -5,8 +5,10 @@ Imported only when a CPU stage first traces a step over weights in panels, like 
 32 output columns contiguous for every input row). The weight streams from memory in order, one panel at a
 time; each panel is read from L1/L2 by every tile of rows, whose 8 x 32 outputs stay in 16 AVX-512
 registers over the whole contraction (the microkernel below is LLVM IR: numba's own loops would keep them in
-memory). XLA:CPU's dot reads a row-major [Kc, N] weight in short strided runs instead, and at 64 rows it runs
-at about 70% of its own square-matmul rate (BENCHMARKS.md, decode section).
+memory). The tile is sized by the target's vector registers (``isa.vector_lanes``): 8 rows x 2 zmm with AVX-512
+(16 of its 32 registers), 3 rows x 4 ymm with AVX2 (12 of its 16; a taller tile spills). XLA:CPU's dot reads a
+row-major [Kc, N] weight in short strided runs instead. Whether the kernel wins on a given CPU is measured at
+start-up (``select``).
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pipejax.runner.cpu_dense import ADD, GATED
-from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
-from pipejax.runner.cpu_vector_exp import exp_f32
+from pipejax.runner.cpu.dense import ADD, GATED
+from pipejax.runner.cpu.ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
+from pipejax.runner.cpu.isa import vector_lanes
+from pipejax.runner.cpu.vector_exp import exp_f32
+from pipejax.runner.model import PANEL
 
-LANES = 16  # float32 lanes of an AVX-512 register
-PANEL = 2 * LANES  # output columns per panel: two registers per row of a tile
-ROW_TILES = (8, 4, 2, 1)  # rows per microkernel call: 8 rows x 2 registers = 16 accumulators
+LANES = vector_lanes()  # float32 lanes of the target's vector registers
+VECTORS = PANEL // LANES  # registers per row of a tile
+ROW_TILES = (8, 4, 2, 1) if VECTORS <= 2 else (3, 2, 1)  # rows per microkernel call, tallest first
 
 
 def _microkernel(rows: int, add: bool):
@@ -51,15 +55,15 @@ def _microkernel(rows: int, add: bool):
 
             builder.position_at_end(loop)  # one input row k: 2 weight registers, `rows` broadcasts, 2 FMAs each
             k = builder.phi(i64)
-            acc = [builder.phi(vec) for _ in range(2 * rows)]
+            acc = [builder.phi(vec) for _ in range(VECTORS * rows)]
             w_row = builder.gep(w0, [builder.mul(k, ir.Constant(i64, PANEL))])
             halves = [builder.load(builder.bitcast(builder.gep(w_row, [ir.Constant(i64, LANES * h)]),
-                                                   vec.as_pointer()), align=4) for h in range(2)]
+                                                   vec.as_pointer()), align=4) for h in range(VECTORS)]
             new = []
             for r in range(rows):
                 xr = builder.load(builder.gep(x0, [builder.add(builder.mul(ir.Constant(i64, r), ldx), k)]))
                 xv = builder.shuffle_vector(builder.insert_element(undef, xr, ir.Constant(i32, 0)), undef, splat)
-                new += [builder.call(fma, [xv, halves[h], acc[2 * r + h]]) for h in range(2)]
+                new += [builder.call(fma, [xv, halves[h], acc[VECTORS * r + h]]) for h in range(VECTORS)]
             k_next, tail = builder.add(k, ir.Constant(i64, 1)), builder.block
             k.add_incoming(ir.Constant(i64, 0), entry)
             k.add_incoming(k_next, tail)
@@ -76,10 +80,11 @@ def _microkernel(rows: int, add: bool):
                 s.add_incoming(n, tail)
                 sums.append(s)
             for r in range(rows):
-                for h in range(2):
+                for h in range(VECTORS):
                     at = builder.add(builder.mul(ir.Constant(i64, r), ldo), ir.Constant(i64, LANES * h))
                     dest = builder.bitcast(builder.gep(out0, [at]), vec.as_pointer())
-                    total = builder.fadd(builder.load(dest, align=4), sums[2 * r + h]) if add else sums[2 * r + h]
+                    total = sums[VECTORS * r + h]
+                    total = builder.fadd(builder.load(dest, align=4), total) if add else total
                     builder.store(total, dest, align=4)
             return context.get_dummy_value()
 
@@ -89,29 +94,35 @@ def _microkernel(rows: int, add: bool):
 
 
 def _row_tiles(add: bool):
-    """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height."""
-    rows_8, rows_4, rows_2, rows_1 = (_microkernel(r, add) for r in ROW_TILES)
+    """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height in
+    ``ROW_TILES``: the tallest while it fits, then each smaller one at most once."""
+    top, *rest = ROW_TILES
+    rest += [0] * (3 - len(rest))  # a height of 0 is never taken (a constant: LLVM drops its branch)
+    kernels = [_microkernel(r, add) for r in ROW_TILES]
+    k_top, k_a, k_b = kernels[0], kernels[1], kernels[2]
+    k_c = kernels[3] if len(kernels) > 3 else kernels[-1]
+    r_a, r_b, r_c = rest
 
     @numba.njit(inline="always")
     def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc):
         i = 0
-        while i + 8 <= m:
-            rows_8(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += 8
-        if i + 4 <= m:
-            rows_4(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += 4
-        if i + 2 <= m:
-            rows_2(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += 2
-        if i < m:
-            rows_1(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+        while i + top <= m:
+            k_top(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += top
+        if r_a and i + r_a <= m:
+            k_a(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += r_a
+        if r_b and i + r_b <= m:
+            k_b(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            i += r_b
+        if r_c and i + r_c <= m:
+            k_c(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
 
     return tiles
 
 
 # ``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w`` [kc, 32]:
-# tiles of 8 rows, then 4, 2 and 1 for the rest. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``.
+# tiles of ``ROW_TILES`` rows. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``.
 rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
 
 

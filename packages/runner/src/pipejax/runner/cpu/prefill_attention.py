@@ -24,8 +24,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import TP_AXIS
-from pipejax.runner import cpu_decode_attention
-from pipejax.runner.cpu_kernels import build_and_register
+from pipejax.runner.cpu import decode_attention as cpu_decode_attention
+from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.model import PANEL, prefill_attention
 
 TARGET = "pipejax_paged_prefill_attention"
@@ -35,7 +35,7 @@ TARGET = "pipejax_paged_prefill_attention"
 def _handler() -> Any:
     """Build and register the handler once (it lives as long as the process); None (with a warning) where numba
     cannot build it."""
-    return build_and_register(TARGET, "pipejax.runner.cpu_prefill_kernel", "prefill-attention", "XLA's formulation")
+    return build_and_register(TARGET, "pipejax.runner.cpu.prefill_kernel", "prefill-attention", "XLA's formulation")
 
 
 def prepare() -> bool:

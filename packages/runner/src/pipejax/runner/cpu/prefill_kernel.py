@@ -16,9 +16,9 @@ import math
 import numba
 import numpy as np
 
-from pipejax.runner.cpu_dense_kernel import PANEL, rows_times_panel
-from pipejax.runner.cpu_ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
-from pipejax.runner.cpu_vector_exp import softmax_numerators
+from pipejax.runner.cpu.dense_kernel import PANEL, rows_times_panel
+from pipejax.runner.cpu.ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
+from pipejax.runner.cpu.vector_exp import softmax_numerators
 
 _ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
 

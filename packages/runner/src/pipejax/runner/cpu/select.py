@@ -1,0 +1,278 @@
+"""Which of the CPU backend's kernels a stage runs: ``select(mesh, model_config, options, limits)``.
+
+Each kernel (the dense matmuls over weights in panels, the decode rows' attention, the prefill rows'
+attention) replaces part of ``model.py``'s XLA formulation. Whether it is faster depends on the CPU: on an
+AVX-512 EPYC the kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64
+rows. So "auto" measures, on the host at hand, each kernel against XLA's formulation of the same operation at
+the stage's own shapes (``probe``) and runs a kernel only where it was faster; "xla" or "cpu-kernel" force a
+choice. A verdict is remembered per host signature (CPU model and ISA flags, cores, versions, the XLA and
+numba target settings) and shapes: in the process, and in a JSON file next to JAX's compilation cache where
+that is on, so a restart measures nothing (and compiles the same step programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pipejax.runner.config import ModelConfig, SchedulerConfig
+from pipejax.runner.cpu import dots, probe
+from pipejax.runner.model import PANEL, Kernels
+
+log = logging.getLogger(__name__)
+
+KERNEL_CHOICES = ("auto", "xla", "cpu-kernel")
+# /proc/cpuinfo flags a verdict depends on (vector width, FMA, the matrix units)
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
+             "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+# A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
+# this (the two medians' own spread on an idle 2-core host: ~5%).
+PREFILL_TOLERANCE = 1.05
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """What a caller asks of the CPU backend: "auto" (measured), "xla" or "cpu-kernel" per kernel; how decode
+    steps run the layers ("auto", "scan", "unrolled"); and XLA's library for few-row dots ("auto", "ynnpack",
+    "eigen")."""
+
+    dense_matmuls: str = "auto"
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    decode_layers: str = "auto"
+    few_row_dots: str = "auto"
+
+    def __post_init__(self):
+        for name in ("dense_matmuls", "decode_attention", "prefill_attention"):
+            if getattr(self, name) not in KERNEL_CHOICES:
+                raise ValueError(f"{name}={getattr(self, name)!r}; use 'auto', 'xla' or 'cpu-kernel'")
+        if self.decode_layers not in ("auto", "scan", "unrolled"):
+            raise ValueError(f"decode_layers={self.decode_layers!r}; use 'auto', 'scan' or 'unrolled'")
+        if self.few_row_dots not in ("auto", *dots.CHOICES):
+            raise ValueError(f"few_row_dots={self.few_row_dots!r}; use 'auto', 'ynnpack' or 'eigen'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What a stage runs: "cpu-kernel" or "xla" per kernel, "unrolled" or "scan" decode layers, the few-row dots'
+    library (None off CPU; "auto": measured at the first such step, ``dots``), and the measurements behind it."""
+
+    dense_matmuls: str
+    decode_attention: str
+    prefill_attention: str
+    decode_layers: str
+    few_row_dots: str | None
+    measured: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def panels(self) -> bool:
+        """Whether the stage stores its dense weights in panels (the dense kernel's layout)."""
+        return self.dense_matmuls == "cpu-kernel"
+
+    def kernels(self, mesh) -> Kernels:
+        """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
+        from pipejax.runner.cpu import decode_attention, dense, prefill_attention
+
+        return Kernels(
+            dense=dense.for_mesh(mesh) if self.dense_matmuls == "cpu-kernel" else None,
+            decode_attention=decode_attention.for_mesh(mesh) if self.decode_attention == "cpu-kernel" else None,
+            prefill_attention=prefill_attention.for_mesh(mesh) if self.prefill_attention == "cpu-kernel" else None,
+        )
+
+
+def numba_available() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
+def fitting(devices: list[jax.Device], cfg: ModelConfig, native: bool) -> dict[str, bool]:
+    """Which kernels can run on a stage of ``cfg`` on ``devices``: CPU devices, float32, numba installed, the
+    native model implementation; the dense kernel on one device (with tp > 1 XLA's sharded dots keep the
+    weights' own layout), the prefill kernel for a head dim of whole panels."""
+    base = (native and numba_available() and all(d.platform == "cpu" for d in devices)
+            and jnp.dtype(cfg.dtype) == jnp.float32)
+    return {"dense_matmuls": base and len(devices) == 1, "decode_attention": base,
+            "prefill_attention": base and cfg.head_dim % PANEL == 0}
+
+
+NEEDS = {
+    "dense_matmuls": "the native model implementation, one CPU device per stage (tp = 1), float32 and numba",
+    "decode_attention": "the native model implementation, CPU devices, float32 and numba",
+    "prefill_attention": "the native model implementation, CPU devices, float32, a head dim divisible by 32 "
+                         "and numba",
+}
+
+
+def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConfig, native: bool = True,
+           remember_in: str | None = None) -> Selection:
+    """The kernels a stage of ``cfg`` on ``mesh`` runs for ``options`` (``limits``: its batching limits, resolved
+    against the model). "auto" measures where a kernel can run (``measured_choices``); asking for
+    "cpu-kernel" where it cannot run is an error that says what it needs and what is here."""
+    devices = list(mesh.devices.flat)
+    fits = fitting(devices, cfg, native)
+    for name, ok in fits.items():
+        if getattr(options, name) == "cpu-kernel" and not ok:
+            here = (f"{len(devices)} {devices[0].platform} device(s), {cfg.dtype}, head dim {cfg.head_dim}, "
+                    f"{'the native' if native else 'a non-native'} model implementation, numba "
+                    f"{'installed' if numba_available() else 'missing'}")
+            raise ValueError(f"{name}='cpu-kernel' needs {NEEDS[name]} (here: {here}); use 'auto'")
+    auto = tuple(name for name, ok in fits.items() if ok and getattr(options, name) == "auto")
+    measured = measured_choices(cfg, len(devices), limits, auto, remember_in) if auto else {}
+    chosen = {name: ("cpu-kernel" if getattr(options, name) == "cpu-kernel" else
+                     measured[name]["choice"] if name in measured else "xla") for name in fits}
+    on_cpu = all(d.platform == "cpu" for d in devices)
+    if options.decode_layers == "unrolled" and not (native and on_cpu):
+        raise ValueError(f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
+                         f"{'native' if native else 'non-native'} on {devices[0].platform}); use 'auto'")
+    if options.few_row_dots != "auto" and not on_cpu:
+        raise ValueError(f"few_row_dots={options.few_row_dots!r} is an XLA:CPU choice; these are "
+                         f"{devices[0].platform} devices: use 'auto'")
+    return Selection(
+        **chosen,
+        decode_layers="unrolled" if options.decode_layers != "scan" and native and on_cpu else "scan",
+        few_row_dots=options.few_row_dots if on_cpu else None,
+        measured=measured,
+    )
+
+
+# --- measuring and remembering ---------------------------------------------------------------------------------
+
+
+def host_signature(cpuinfo: str | None = None) -> dict[str, str]:
+    """What a measured verdict depends on besides the shapes: the CPU (model, ISA flags, usable cores), the
+    versions of what compiles the candidates, and the settings that retarget them (XLA_FLAGS' ISA cap, numba's
+    target CPU). ``cpuinfo``: /proc/cpuinfo's text (default: read it)."""
+    import jaxlib
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    model, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not model:
+            model = value.strip()
+        elif key.strip() in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    try:
+        numba_version = importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:
+        numba_version = "none"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": model,
+        "isa": ",".join(f for f in ISA_FLAGS if f in flags),
+        "cores": str(cores),
+        "jaxlib": jaxlib.__version__,
+        "numba": numba_version,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "numba_cpu": f"{os.environ.get('NUMBA_CPU_NAME', '')}/{os.environ.get('NUMBA_CPU_FEATURES', '')}",
+    }
+
+
+def probe_shapes(cfg: ModelConfig, tp: int, limits: SchedulerConfig) -> dict[str, int]:
+    """The shapes the probes time for a stage: its model dims, tp, most decode rows, largest prefill step."""
+    return {
+        "hidden": cfg.hidden_size, "mlp": cfg.intermediate_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "tp": tp, "decode_rows": limits.max_num_seqs,
+        "prefill_tokens": min(limits.max_num_batched_tokens, limits.max_model_len or limits.max_num_batched_tokens),
+        "context": min(probe.DECODE_CONTEXT, limits.max_model_len or probe.DECODE_CONTEXT),
+    }
+
+
+def verdict_key(signature: dict[str, str], shapes: dict[str, int]) -> str:
+    text = json.dumps({"host": signature, "shapes": shapes}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def measured_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, names: tuple[str, ...],
+                     remember_in: str | None = None) -> dict[str, dict]:
+    """Per kernel of ``names``: {"choice": "cpu-kernel" | "xla", and the probes' medians in ms}, remembered
+    (in the process; with ``remember_in``, in a file there) or measured now."""
+    shapes = probe_shapes(cfg, tp, limits)
+    key = verdict_key(host_signature(), shapes)
+    path = os.path.join(remember_in, f"pipejax-cpu-kernels-{key}.json") if remember_in else None
+    known = dict(_remembered(path)) if path else {}
+    known.update(_in_process.get(key, {}))
+    missing = tuple(n for n in names if n not in known)
+    if missing:
+        found = measure(shapes, missing)
+        known.update(found)
+        _in_process.setdefault(key, {}).update(found)
+        if path:
+            _remember(path, known)
+    out = {n: known[n] for n in names}
+    log.info("CPU kernels (%s): %s", "remembered" if not missing else "measured here",
+             "; ".join(f"{n} {v['choice']} ({_figures(v)})" for n, v in out.items()))
+    return out
+
+
+_in_process: dict[str, dict[str, dict]] = {}
+
+
+def _figures(v: dict) -> str:
+    return ", ".join(f"{k} {v[k]['kernel']:.2f} vs xla {v[k]['xla']:.2f} ms" for k in v if k != "choice")
+
+
+def _cfg_for(shapes: dict[str, int]) -> ModelConfig:
+    return ModelConfig(architecture="probe", vocab_size=PANEL, hidden_size=shapes["hidden"],
+                       intermediate_size=shapes["mlp"], num_layers=1, num_heads=shapes["heads"],
+                       num_kv_heads=shapes["kv_heads"], head_dim=shapes["head_dim"], rms_norm_eps=1e-6,
+                       max_position_embeddings=shapes["context"], dtype="float32")
+
+
+def measure(shapes: dict[str, int], names: tuple[str, ...]) -> dict[str, dict]:
+    """Time each kernel of ``names`` against XLA's formulation (``probe``) at ``shapes``; the verdicts."""
+    cfg, tp, device = _cfg_for(shapes), shapes["tp"], jax.devices("cpu")[0]
+    rows, tokens = shapes["decode_rows"], shapes["prefill_tokens"]
+    out = {}
+    for name in names:
+        if name == "dense_matmuls":
+            figures = {"decode": probe.dense(cfg, rows, device), "prefill": probe.dense(cfg, tokens, device)}
+        elif name == "decode_attention":
+            figures = {"decode": probe.decode_attention_ms(cfg, tp, rows, shapes["context"], device)}
+        else:
+            figures = {"prefill": probe.prefill_attention_ms(cfg, tp, tokens, device)}
+        out[name] = {"choice": verdict(figures), **figures}
+    return out
+
+
+def verdict(figures: dict[str, dict[str, float]]) -> str:
+    """"cpu-kernel" where the kernel was faster at the decode rows and, at the prefill rows, within
+    ``PREFILL_TOLERANCE`` of XLA's formulation (the prefill share of a step is compute either way); else "xla"."""
+    limit = {"decode": 1.0, "prefill": PREFILL_TOLERANCE}
+    faster = all(f["kernel"] < limit[phase] * f["xla"] for phase, f in figures.items())
+    return "cpu-kernel" if faster else "xla"
+
+
+def _remembered(path: str) -> dict[str, dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return {}
+    return {n: v for n, v in data.items() if isinstance(v, dict) and v.get("choice") in ("xla", "cpu-kernel")}
+
+
+def _remember(path: str, verdicts: dict[str, dict]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.{os.getpid()}", "w") as f:
+            json.dump(verdicts, f, indent=1)
+        os.replace(f"{path}.{os.getpid()}", path)  # atomic: stages measuring at once never read half a file
+    except OSError as e:
+        log.warning("could not remember the CPU kernels' verdicts in %s: %s", path, e)
+

@@ -1,0 +1,107 @@
+"""``cpu.select``: each CPU kernel runs where it measured faster than XLA's formulation on this host, the verdict
+is remembered per host signature and shapes, and an explicit choice still forces one."""
+
+import json
+
+import jax
+import pytest
+
+from pipejax.pp_utils import stage_mesh
+from pipejax.runner.config import ModelConfig, SchedulerConfig
+from pipejax.runner.cpu import select as sel
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                  max_position_embeddings=64)
+LIMITS = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32).for_model(CFG)
+FLAGS = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse4_2 avx avx2 fma {extra}\n"
+
+
+def _figures(kernel: float, xla: float) -> dict:
+    return {"kernel": kernel, "xla": xla}
+
+
+def test_verdict_takes_the_kernel_only_where_it_is_faster():
+    assert sel.verdict({"decode": _figures(1, 2), "prefill": _figures(3, 4)}) == "cpu-kernel"
+    assert sel.verdict({"decode": _figures(2.1, 2), "prefill": _figures(3, 4)}) == "xla"
+    assert sel.verdict({"decode": _figures(1, 2), "prefill": _figures(4.1, 4)}) == "cpu-kernel"  # within 5%
+    assert sel.verdict({"decode": _figures(1, 2), "prefill": _figures(5, 4)}) == "xla"
+    assert sel.verdict({"prefill": _figures(4.3, 4)}) == "xla"
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    monkeypatch.setattr(sel, "_in_process", {})
+
+
+def _fake_measure(calls: list, dense: tuple, decode: tuple):
+    def measure(shapes, names):
+        calls.append(names)
+        table = {"dense_matmuls": {"decode": _figures(*dense), "prefill": _figures(*dense)},
+                 "decode_attention": {"decode": _figures(*decode)},
+                 "prefill_attention": {"prefill": _figures(1, 2)}}
+        return {n: {"choice": sel.verdict(table[n]), **table[n]} for n in names}
+
+    return measure
+
+
+def test_select_runs_the_measured_faster_path_and_remembers_it(tmp_path, monkeypatch, fresh):
+    calls: list = []
+    monkeypatch.setattr(sel, "measure", _fake_measure(calls, dense=(1, 2), decode=(3, 2)))
+    mesh = stage_mesh(jax.devices()[:1])
+    got = sel.select(mesh, CFG, sel.KernelOptions(), LIMITS, remember_in=str(tmp_path))
+    assert (got.dense_matmuls, got.decode_attention, got.prefill_attention) == ("cpu-kernel", "xla", "cpu-kernel")
+    assert got.panels and got.kernels(mesh).dense is not None and got.kernels(mesh).decode_attention is None
+    assert calls == [("dense_matmuls", "decode_attention", "prefill_attention")]
+    [saved] = tmp_path.glob("pipejax-cpu-kernels-*.json")
+    assert json.loads(saved.read_text())["decode_attention"]["choice"] == "xla"
+
+    # a new process (no in-process memo) reads the file: nothing is measured again
+    monkeypatch.setattr(sel, "_in_process", {})
+    monkeypatch.setattr(sel, "measure", _fake_measure(calls, dense=(2, 1), decode=(1, 2)))
+    again = sel.select(mesh, CFG, sel.KernelOptions(), LIMITS, remember_in=str(tmp_path))
+    assert (again.dense_matmuls, again.decode_attention) == ("cpu-kernel", "xla") and len(calls) == 1
+
+    # an explicit choice wins over the verdict, and is not measured
+    forced = sel.select(mesh, CFG, sel.KernelOptions("xla", "cpu-kernel", "xla"), LIMITS, remember_in=str(tmp_path))
+    assert (forced.dense_matmuls, forced.decode_attention, forced.prefill_attention) == ("xla", "cpu-kernel", "xla")
+    assert not forced.panels and len(calls) == 1
+
+
+def test_only_what_can_run_is_measured(monkeypatch, fresh):
+    """With tp = 2 the dense kernel cannot run (XLA's sharded dots keep the weights' layout): not measured, "xla"."""
+    calls: list = []
+    monkeypatch.setattr(sel, "measure", _fake_measure(calls, dense=(1, 2), decode=(1, 2)))
+    got = sel.select(stage_mesh(jax.devices()[:2]), CFG, sel.KernelOptions(), LIMITS)
+    assert calls == [("decode_attention", "prefill_attention")]
+    assert (got.dense_matmuls, got.decode_attention) == ("xla", "cpu-kernel")
+    with pytest.raises(ValueError, match=r"dense_matmuls='cpu-kernel' needs .* \(tp = 1\).*\(here: 2 cpu device"):
+        sel.select(stage_mesh(jax.devices()[:2]), CFG, sel.KernelOptions(dense_matmuls="cpu-kernel"), LIMITS)
+
+
+def test_the_verdict_key_changes_with_the_cpu_flags():
+    shapes = sel.probe_shapes(CFG, 1, LIMITS)
+    avx2 = sel.host_signature(FLAGS.format(extra=""))
+    avx512 = sel.host_signature(FLAGS.format(extra="avx512f avx512bw"))
+    assert avx2["isa"] == "sse4_2,avx,avx2,fma" and avx512["isa"].endswith("avx512f,avx512bw")
+    assert sel.verdict_key(avx2, shapes) != sel.verdict_key(avx512, shapes)
+    assert sel.verdict_key(avx2, shapes) == sel.verdict_key(sel.host_signature(FLAGS.format(extra="")), shapes)
+    assert sel.verdict_key(avx2, shapes) != sel.verdict_key(avx2, {**shapes, "decode_rows": 8})
+
+
+def test_the_probes_measure_both_paths_here():
+    """The real probes on this host, at a tiny model's shapes: each verdict is what its own figures say."""
+    shapes = sel.probe_shapes(CFG, 1, LIMITS)
+    got = sel.measure(shapes, ("dense_matmuls", "decode_attention", "prefill_attention"))
+    assert set(got["dense_matmuls"]) == {"choice", "decode", "prefill"}
+    for name, v in got.items():
+        figures = {k: f for k, f in v.items() if k != "choice"}
+        assert all(f["kernel"] > 0 and f["xla"] > 0 for f in figures.values()), (name, v)
+        assert v["choice"] == sel.verdict(figures), (name, v)
+
+
+def test_bad_options_name_the_value_and_the_fix():
+    with pytest.raises(ValueError, match="prefill_attention='flash'; use 'auto', 'xla' or 'cpu-kernel'"):
+        sel.KernelOptions(prefill_attention="flash")
+    with pytest.raises(ValueError, match="decode_layers='loop'; use 'auto', 'scan' or 'unrolled'"):
+        sel.KernelOptions(decode_layers="loop")
