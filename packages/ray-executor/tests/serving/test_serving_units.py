@@ -57,6 +57,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(waiting=[], running=[])
         self.max_model_len = 64
         self.model_config = SimpleNamespace(vocab_size=100)
+        self.executor = SimpleNamespace(kv_cache=SimpleNamespace(describe=lambda: "KV cache: 9 blocks"))
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.sent: dict[str, tuple[int, int]] = {}  # request id -> tokens, characters in earlier deltas
         self.aborted: list[str] = []
@@ -138,6 +139,7 @@ def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
         info = msgspec.msgpack.decode(payload, type=EngineInfo)
         assert kind == RequestType.READY.value and identity == engine_identity(3) and info.index == 3
         assert "data-parallel engine 3" in info.describe() and info.max_model_len == 64
+        assert info.kv_cache == "KV cache: 9 blocks"  # the API server logs it with the engine's ready line
 
         def send(kind, payload):
             router.send_multipart([engine_identity(3), kind.value, encode(payload)])

@@ -212,7 +212,7 @@ class DPClient:
                     if info.index != engine_index(identity) or not 0 <= info.index < self.dp_size:
                         raise ValueError(f"READY from identity {identity!r} claims engine {info.index}")
                     self.engines[info.index] = info
-                    log.info("API server %d: %s ready", self.client_index, info.describe())
+                    log.info("API server %d: %s ready; %s", self.client_index, info.describe(), info.kv_cache)
                     self._changed.set()
             except (ValueError, msgspec.DecodeError) as exc:
                 log.error("API server %d: bad message from an engine ignored: %s", self.client_index, exc)

@@ -114,6 +114,7 @@ class EngineCore:
         return EngineInfo(
             index=self.index, node_id=self.node_id, host=socket.gethostname(), pid=os.getpid(),
             max_model_len=self.engine.max_model_len, vocab_size=self.engine.model_config.vocab_size,
+            kv_cache=self.engine.executor.kv_cache.describe(),
         )
 
     def _loop(self, dealers: list[zmq.Socket]) -> str:

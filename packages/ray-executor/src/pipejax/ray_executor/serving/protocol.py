@@ -75,6 +75,7 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pid: int
     max_model_len: int
     vocab_size: int
+    kv_cache: str = ""  # the engine's KV cache line (``KVCachePlan.describe``), which the API server logs
 
     def describe(self) -> str:
         return f"data-parallel engine {self.index} (host {self.host}, node {self.node_id[:8]}, pid {self.pid})"
