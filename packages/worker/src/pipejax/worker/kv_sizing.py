@@ -135,10 +135,9 @@ def _cpu_budget(cache: CacheConfig, host_available_bytes: int) -> tuple[int, boo
 
 
 def _too_small(plan: KVCachePlan, limit: int, blocks: int, one_request: int) -> str:
-    need_gib = one_request * plan.stage_bytes_per_block / GIB
-    short = (f"gives each stage {limit / GIB:.3f} GiB = {blocks} KV blocks of {plan.block_size} tokens, fewer than "
-             f"one request of max_model_len={plan.max_model_len} needs ({one_request} blocks, {need_gib:.3f} GiB "
-             f"per stage)")
+    need = _size(one_request * plan.stage_bytes_per_block)
+    short = (f"gives each stage {_size(limit)} = {blocks} KV block(s) of {plan.block_size} tokens, fewer than "
+             f"one request of max_model_len={plan.max_model_len} needs ({one_request} blocks, {need} per stage)")
     if plan.source == "device":
         return (f"{plan.memory_fraction:g} of a device's free memory {short}; raise --gpu-memory-utilization, "
                 f"lower --max-model-len, or give --num-kv-blocks")
