@@ -26,9 +26,9 @@ from pipejax.runner.cpu import dots as cpu_dots
 from pipejax.worker import StageWorker, WorkerConfig, worker as worker_module
 worker_module.MIN_CACHED_COMPILE_S = 0.0
 cpu_dots.measured_choice = lambda: sys.argv[3]  # what this process would measure
-if sys.argv[4] == "xla":  # the runner's dense_matmuls="auto" would choose XLA's dot
-    import pipejax.runner.runner as runner_module
-    runner_module.use_panels = lambda mesh, cfg: False
+from pipejax.runner.cpu import select as select_module
+# what the kernels' measurement would choose here, fixed: XLA's formulation or the CPU kernels
+select_module.measured_choices = lambda cfg, n, limits, auto, remember_in: {name: {"choice": sys.argv[4]} for name in auto}
 from worker_oracle import CACHE, LIMITS
 worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
