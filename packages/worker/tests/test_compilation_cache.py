@@ -28,7 +28,7 @@ worker_module.MIN_CACHED_COMPILE_S = 0.0
 cpu_dots.measured_choice = lambda: sys.argv[3]  # what this process would measure
 from pipejax.runner.cpu import select as select_module
 # what the kernels' measurement would choose here, fixed: XLA's formulation or the CPU kernels
-select_module.measured_choices = lambda cfg, n, limits, auto, remember_in: {name: {"choice": sys.argv[4]} for name in auto}
+select_module.measured_choices = lambda cfg, n, limits, auto, remember: {k: {"choice": sys.argv[4]} for k in auto}
 from worker_oracle import CACHE, LIMITS
 worker = StageWorker(WorkerConfig(sys.argv[1], StageConfig(0, 1), tp_size=1, cache=CACHE, scheduler=LIMITS,
                                   compilation_cache_dir=sys.argv[2]))
