@@ -33,6 +33,11 @@ def test_generate_shows_text_placement_and_speed():
     assert "stage 1: layers 2-3 on cpu:2, cpu:3" in out
     assert out.count("output: ") == 2 and "prompt: 'Hello, pipejax!'" in out
     assert "12 tokens in" in out and "tokens/s" in out
+    # one line says where the start-up went; the warm-up compiled every step shape on each stage (one process)
+    startup = [line for line in out.splitlines() if line.startswith("start-up ")]
+    assert len(startup) == 1 and ", weights " in startup[0] and ", warm-up " in startup[0], out
+    programs = int(startup[0].split(" XLA programs")[0].rsplit(" ", 1)[1])
+    assert programs >= 2 * 4, startup  # 2 stages x (2 decode + 2 prefill buckets), the sampler's on top
     # one line says how the KV cache was sized: generate bounds max_model_len to what its prompts need
     kv = [line for line in out.splitlines() if "KV cache" in line]
     assert len(kv) == 1 and kv[0].startswith("KV cache: 5 blocks x 16 tokens (80 tokens), "), out

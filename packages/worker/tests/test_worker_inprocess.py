@@ -93,11 +93,15 @@ def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):
 
     batches = workers[0].warmup_batches()
     assert batches and all(b.step_id >= worker_module.WARMUP_STEP_BASE for b in batches)
+    before = workers[0].compile_stats()
     for w in workers:  # stage 0 sends every warm-up step first; stage 1 then receives them
         seconds = w.warmup(batches, progress=False)
         assert seconds > 0
         assert len(w.runner.compiled_shapes) == len(batches)
         assert w.step_trace() == []  # warm-up steps are not traced
+        assert {"init", "load", "warmup"} <= set(w.setup_timings())
+    built = workers[0].compile_stats() - before  # both stages' programs: they share this process
+    assert built.programs >= 2 * len(batches) and 0 <= built.cache_hits <= built.programs and built.seconds > 0
     warm_shapes = [set(w.runner.compiled_shapes) for w in workers]
 
     outputs = greedy_decode(lambda b: run_pipeline(workers, b), PROMPTS, MAX_NEW_TOKENS)

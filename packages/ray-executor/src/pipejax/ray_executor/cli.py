@@ -130,6 +130,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_config(config)
     print(llm.engine.executor.kv_cache.describe())
     ready = time.perf_counter()
+    startup = llm.engine.executor.startup_report()
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -142,10 +143,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outputs:
         print(f"\nprompt: {out.prompt!r}\noutput: {out.outputs[0].text!r}  ({out.outputs[0].finish_reason})")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(
-        f"\n{tokens} tokens in {done - ready:.2f}s = {tokens / (done - ready):.1f} tokens/s "
-        f"(start-up incl. compile {ready - start:.1f}s)"
-    )
+    print(f"\n{tokens} tokens in {done - ready:.2f}s = {tokens / (done - ready):.1f} tokens/s")
+    print(startup.describe(ready - start))
     llm.shutdown()
     return 0
 

@@ -26,6 +26,8 @@ from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, sta
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner, kv_bytes_per_block
+from pipejax.worker import compile_stats
+from pipejax.worker.compile_stats import CompileStats
 from pipejax.worker.kv_sizing import KVCachePlan, plan_kv_cache
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class StageWorker:
         """``devices``: the stage's TP devices (default: the first ``tp_size`` of this process).
         ``recv``/``send``: transports to the previous/next stage (None on the first/last)."""
         created = time.time()
+        self._compile_base = compile_stats.current()
         self.config = config
         self.stage = config.stage
         if config.compilation_cache_dir:
@@ -148,11 +151,12 @@ class StageWorker:
         """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage);
         ``None`` loads only the weights (``allocate_kv_cache`` follows, sized with them in memory)."""
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.time()
         self.runner = StageRunner(
             self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed,
             self.config.model_impl, scheduler=self.limits,
         )
+        self.setup_times["load"] = (started, time.time())
         log.info("stage %d loaded in %.1fs (%s KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -185,7 +189,8 @@ class StageWorker:
         start, started = time.perf_counter(), time.time()
         for batch in tqdm(batches, desc=f"compile stage {self.stage.pp_rank}", disable=not progress, leave=False):
             self.execute_model(batch)
-        self.setup_times["warmup"] = (started, time.time())
+        first = self.setup_times.get("warmup", (started,))[0]  # an executor may warm up one shape per call
+        self.setup_times["warmup"] = (first, time.time())
         return time.perf_counter() - start
 
     # --- the step -------------------------------------------------------------------------------
@@ -228,6 +233,11 @@ class StageWorker:
 
     def setup_timings(self) -> dict[str, tuple[float, float]]:
         return dict(self.setup_times)
+
+    def compile_stats(self) -> CompileStats:
+        """The XLA programs this stage's process has built since the worker was created, and how many came from
+        the persistent compilation cache."""
+        return compile_stats.current() - self._compile_base
 
     def info(self) -> StageInfo:
         r = self.stage.layer_range(self.model_config)

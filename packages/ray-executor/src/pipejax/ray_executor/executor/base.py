@@ -9,7 +9,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from tqdm import tqdm
+
 from pipejax.ray_executor.config import EngineConfig
+from pipejax.ray_executor.executor.startup import StartupReport
 from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.worker import StageInfo
 from pipejax.worker.kv_sizing import KVCachePlan
@@ -49,7 +52,16 @@ class Executor(abc.ABC):
     def warmup(self, progress: bool = True) -> None:
         """Compile the common padding buckets before serving (stage 0's warm-up batches, on every stage)."""
         batches = self.collective_rpc("warmup_batches")[0]
-        self.collective_rpc("warmup", batches, progress=False)
+        # one shape at a time on every stage; the bar shows only when the warm-up takes more than a few seconds
+        for batch in tqdm(batches, desc="compiling step shapes", unit="shape", delay=3, leave=False,
+                          disable=not progress):
+            self.collective_rpc("warmup", [batch], progress=False)
+
+    def startup_report(self) -> StartupReport:
+        """Where the stages' set-up went (processes, weights, warm-up) and the XLA programs each has built."""
+        where = [(info.host, info.pid) for info in self.stage_infos()]
+        return StartupReport.from_stages(self.collective_rpc("setup_timings"), self.collective_rpc("compile_stats"),
+                                         where)
 
     def stage_infos(self) -> list[StageInfo]:
         """Where each stage runs, by pp rank."""
