@@ -371,7 +371,9 @@ class Report:
         out = ["## Output tokens/s vs transformers, and vs concurrency", ""]
         out += [f"Each point: c concurrent requests × {t['workload']['input_len']} prompt tokens × "
                 f"{t['workload']['output_len']} output tokens (random ids, ignore_eos, temperature 1 on both sides). "
-                f"pipejax: {t['engine']['layout']}, max_num_batched_tokens {t['engine']['max_num_batched_tokens']}; "
+                f"pipejax: {t['engine']['layout']}, {t['engine'].get('settings', 'explicit settings')} "
+                f"(max_num_seqs {t['engine'].get('max_num_seqs', '?')}, "
+                f"max_num_batched_tokens {t['engine']['max_num_batched_tokens']}); "
                 f"transformers: one `generate` over the c prompts, fp32, {t['hf_threads']} torch threads. "
                 "Each engine runs in a fresh process of its own; the timed runs alternate between them, and the ratio "
                 "is taken per repeat.", ""]

@@ -3,12 +3,12 @@
 ``c`` concurrent requests x 128 prompt tokens x 64 output tokens (random ids, ignore_eos, sampling at
 temperature 1 on both sides), for c in 1, 2, 4, 8, 16, 32, 64 (--quick: 1, 16, 64); c = 64 is the
 headline figure, also timed with greedy decoding on both sides. Each engine runs in a fresh process of its own,
-started for this section: pipejax pp=1 tp=1
-in-process (one engine for every c, compiled by an untimed run of each c), transformers one ``generate`` over
-all c prompts (fp32, CPU, its default threads). The timed runs alternate between the two processes, so both
-see the same machine load; the ratio is taken per repeat. The headline run's step trace splits pipejax's time
-into prefill steps, decode steps and the engine around them. Without --quick, the headline workload also runs
-in bf16 on both sides (a reported row, no goal).
+started for this section: pipejax pp=1 tp=1 in-process with ``LLM(model)``'s defaults (one engine for every c,
+compiled by an untimed run of each c), transformers one ``generate`` over all c prompts (fp32, CPU, its default
+threads). The timed runs alternate between the two processes, so both see the same machine load; the ratio is
+taken per repeat. The headline run's step trace splits pipejax's time into prefill steps, decode steps and the
+engine around them. Without --quick, the headline workload also runs in bf16 on both sides (a reported row, no
+goal).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from sections.common import (
     bench_model,
     compiled_shapes,
     engine_buckets,
-    engine_kwargs,
     machine_rates,
     prompts,
     section_main,
@@ -203,22 +202,24 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
 
 
 class PipejaxSide:
-    """pipejax's side, in its own process: an ``LLM`` (pp=1 tp=1 in-process) that compiled every shape the
-    ``levels`` meet by an untimed run of each (8 output tokens meet the same shapes as 64: the context stays
-    in one block bucket)."""
+    """pipejax's side, in its own process: an ``LLM`` (pp=1 tp=1 in-process, its defaults) that compiled every
+    shape the ``levels`` meet by an untimed run of each, whole (with the defaults' 512-token chunks, a run of 8
+    output tokens met fewer mixed prefill + decode shapes than one of 64)."""
 
     def __init__(self, path: str, levels: list[int], dtype: str | None = None):
         from pipejax.ray_executor.llm import LLM
 
         start = time.perf_counter()
-        self.llm = LLM(path, warmup=False, **({"dtype": dtype} if dtype else {}), **engine_kwargs())
+        # the settings a user gets: LLM(model) with its defaults (the KV cache, batching limits and kernels are
+        # its own choices); only the step trace is kept, for the breakdown
+        self.llm = LLM(path, warmup=False, **({"dtype": dtype} if dtype else {}), step_trace_len=1 << 14)
         self.build_s = time.perf_counter() - start
         self.recorder = BatchRecorder(self.llm)
         self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.llm.engine.model_config.vocab_size)
         start = time.perf_counter()
-        for c in levels:
-            pipejax_run(self.llm, self.prompts[:c], 8)
-        pipejax_run(self.llm, self.prompts[:max(levels)], 8, greedy=True)
+        for c in levels:  # the whole run: which mixed prefill + decode steps occur depends on its length
+            pipejax_run(self.llm, self.prompts[:c])
+        pipejax_run(self.llm, self.prompts[:max(levels)], greedy=True)
         self.warm_s = time.perf_counter() - start
         self.compiled_before = compiled_shapes(self.llm)
 
@@ -237,7 +238,10 @@ class PipejaxSide:
 
     def info(self) -> dict[str, Any]:
         buckets = engine_buckets(self.llm)
-        return {"build_s": self.build_s, "warm_runs_s": self.warm_s,
+        limits, cache = self.llm.engine.config.scheduler, self.llm.engine.executor.kv_cache
+        return {"build_s": self.build_s, "warm_runs_s": self.warm_s, "settings": "LLM(model) defaults",
+                "max_num_seqs": limits.max_num_seqs, "max_num_batched_tokens": limits.max_num_batched_tokens,
+                "kv_cache": cache.describe(),
                 "smallest_buckets": {"tokens": buckets.tokens[0], "rows": buckets.rows[0]},
                 "shapes_compiled_during_timed_runs": compiled_shapes(self.llm) - self.compiled_before}
 
@@ -300,8 +304,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "pipejax_tps": {c: summary(v) for c, v in pj.items()},
         "hf_tps": {c: summary(v) for c, v in ref.items()},
         "ratio": {c: summary([a / b for a, b in zip(pj[c], ref[c], strict=True)]) for c in levels},
-        "engine": {**engine_kwargs(), "layout": "pp=1 tp=1 (in-process)", "build_s": pj_info["build_s"],
-                   "warm_runs_s": pj_info["warm_runs_s"]},
+        "engine": {"layout": "pp=1 tp=1 (in-process)", **{k: pj_info[k] for k in (
+            "settings", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "build_s", "warm_runs_s")}},
         "processes": "each engine in a fresh process of its own, the timed runs alternating between them",
         "hf_threads": hf_info["hf_threads"],
         "cores_busy": {"pipejax": summary([c["cores"] for c in cores["pj"]]),
