@@ -188,6 +188,59 @@ def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
         ctx.term()
 
 
+class WarmingEngine(FakeEngine):
+    """A fake engine whose executor records the warm-up shapes it compiles, each taking a while."""
+
+    def __init__(self):
+        super().__init__()
+        self.warmed: list[str] = []
+        self.executor.warmup_batches = lambda: [f"shape{i}" for i in range(6)]
+        self.executor.warmup_one = lambda batch: (time.sleep(0.05), self.warmed.append(batch))
+        self.executor.collective_rpc = lambda name: [len(self.warmed)]
+
+
+class WarmingCore(EngineCore):
+    def build_engine(self):
+        return WarmingEngine()
+
+
+def test_engine_core_announces_itself_first_and_warms_up_between_requests():
+    """The engine is READY before any shape compiles; the common shapes compile one by one while it is idle,
+    and a request that comes meanwhile is served before the rest."""
+    addresses = DPAddresses.create(None, None, 1)
+    ctx = zmq.Context()
+    router, pull, stats = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    router.bind(addresses.input(0))
+    pull.bind(addresses.output(0))
+    stats.bind(addresses.stats)
+    core = WarmingCore(None, 0, addresses, warmup=True, node_id="node-x")
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    try:
+        assert router.poll(5000)
+        _, kind, _ = router.recv_multipart()
+        assert kind == RequestType.READY.value and len(core.engine.warmed) < 6  # ready before the warm-up ends
+        router.send_multipart([engine_identity(0), RequestType.ADD.value,
+                               encode(EngineCoreRequest("r", [5], SamplingParams(max_tokens=2)))])
+        decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+        finished_at = None
+        while finished_at is None:
+            for out in _recv(pull, decode_outputs).outputs:
+                if out.finish_reason:
+                    finished_at = len(core.engine.warmed)
+        assert finished_at < 6  # served between warm-up shapes, not after all of them
+        deadline = time.monotonic() + 5
+        while len(core.engine.warmed) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.engine.warmed == [f"shape{i}" for i in range(6)]  # each once, in order
+    finally:
+        core.stop_event.set()
+        thread.join(timeout=10)
+        for s in (router, pull, stats):
+            s.close(linger=0)
+        ctx.term()
+
+
 def test_coordinator_publishes_load_and_declares_silent_engines_dead():
     addresses = DPAddresses.create(None, None, 1)
     coordinator = DPCoordinator(addresses, dp_size=2, heartbeat_timeout_s=0.5)

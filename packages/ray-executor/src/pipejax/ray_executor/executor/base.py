@@ -50,12 +50,19 @@ class Executor(abc.ABC):
         bounds the wait; a stage's exception is raised here (the lowest rank's first)."""
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile the common padding buckets before serving (stage 0's warm-up batches, on every stage)."""
-        batches = self.collective_rpc("warmup_batches")[0]
-        # one shape at a time on every stage; the bar shows only when the warm-up takes more than a few seconds
-        for batch in tqdm(batches, desc="compiling step shapes", unit="shape", delay=3, leave=False,
-                          disable=not progress):
-            self.collective_rpc("warmup", [batch], progress=False)
+        """Compile the common padding buckets now (``warmup_batches``, one shape at a time on every stage); the
+        progress bar shows only when that takes more than a few seconds."""
+        for batch in tqdm(self.warmup_batches(), desc="compiling step shapes", unit="shape", delay=3,
+                          leave=False, disable=not progress):
+            self.warmup_one(batch)
+
+    def warmup_batches(self) -> list[ModelBatch]:
+        """Dummy batches, one per common padding bucket (stage 0's ``StageWorker.warmup_batches``)."""
+        return self.collective_rpc("warmup_batches")[0]
+
+    def warmup_one(self, batch: ModelBatch) -> None:
+        """Compile ``batch``'s shape on every stage by running it (between steps: nothing may be in flight)."""
+        self.collective_rpc("warmup", [batch], progress=False)
 
     def startup_report(self) -> StartupReport:
         """Where the stages' set-up went (processes, weights, warm-up) and the XLA programs each has built."""

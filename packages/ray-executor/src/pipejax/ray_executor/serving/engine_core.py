@@ -62,6 +62,7 @@ class EngineCore:
         self.engine = None
         self.on_engine_built = on_engine_built
         self._clients: dict[str, int] = {}  # request id -> API server index
+        self._warmup_left: list = []  # warm-up batches not yet run (``_warm_up_one``)
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
         self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
@@ -71,6 +72,8 @@ class EngineCore:
     def run(self) -> str:
         """Build the engine, announce it, serve until told to stop or the engine dies; returns why it ended."""
         self.engine = self.build_engine()
+        if self.warmup:  # compiled while the engine is idle (``_warm_up_one``): it announces itself first
+            self._warmup_left = list(self.engine.executor.warmup_batches())
         if self.on_engine_built is not None:
             self.on_engine_built()
         ctx = zmq.Context()
@@ -105,10 +108,16 @@ class EngineCore:
     def build_engine(self):
         from pipejax.ray_executor.engine.engine import LLMEngine
 
-        engine = LLMEngine(self.config, placement_group=self.placement_group)
-        if self.warmup:
-            engine.executor.warmup()
-        return engine
+        return LLMEngine(self.config, placement_group=self.placement_group)
+
+    def _warm_up_one(self) -> None:
+        """Compile one more common shape, between requests: the engine answers its first request without
+        waiting for every bucket, and a request's own new shape compiles when it comes (the runner logs it)."""
+        batch = self._warmup_left.pop(0)
+        self.engine.executor.warmup_one(batch)
+        if not self._warmup_left:
+            log.info("engine %d: warm-up done (%d step shapes compiled on stage 0)", self.index,
+                     self.engine.executor.collective_rpc("num_compiled_shapes")[0])
 
     def info(self) -> EngineInfo:
         return EngineInfo(
@@ -125,9 +134,13 @@ class EngineCore:
             poller.register(dealer, zmq.POLLIN)
         while not self.stop_event.is_set():
             busy = self.engine.has_unfinished_requests()
-            for sock, _ in poller.poll(0 if busy else IDLE_POLL_MS):
+            for sock, _ in poller.poll(0 if busy or self._warmup_left else IDLE_POLL_MS):
                 self._drain(sock)
-            if self.stop_event.is_set() or not self.engine.has_unfinished_requests():
+            if self.stop_event.is_set():
+                continue
+            if not self.engine.has_unfinished_requests():
+                if self._warmup_left:
+                    self._warm_up_one()
                 continue
             try:
                 outputs = self.engine.step_deltas()
