@@ -177,7 +177,9 @@ def trace_breakdown(llm, batches: dict[int, dict[str, Any]], wall: float, rates:
             "median_step_ms": summary([t * 1e3 for _, t in steps])["median"],
         }
     out["engine_s"] = wall - out["prefill"]["seconds"] - out["decode"]["seconds"]
-    out["parts_floor"] = parts_floor(cfg, [batches[s] for s, _ in trace], rates["bandwidth"])
+    # the dots as this engine runs them: the CPU dense kernel or XLA's dot, whichever its stage chose here
+    dots = llm.engine.executor.collective_rpc("kernel_selection")[0]["dense_matmuls"]
+    out["parts_floor"] = parts_floor(cfg, [batches[s] for s, _ in trace], rates["bandwidth"], dots=dots)
     return out
 
 
@@ -241,7 +243,7 @@ class PipejaxSide:
         limits, cache = self.llm.engine.config.scheduler, self.llm.engine.executor.kv_cache
         return {"build_s": self.build_s, "warm_runs_s": self.warm_s, "settings": "LLM(model) defaults",
                 "max_num_seqs": limits.max_num_seqs, "max_num_batched_tokens": limits.max_num_batched_tokens,
-                "kv_cache": cache.describe(),
+                "kv_cache": cache.describe(), "kernels": self.llm.engine.executor.collective_rpc("kernel_selection")[0],
                 "smallest_buckets": {"tokens": buckets.tokens[0], "rows": buckets.rows[0]},
                 "shapes_compiled_during_timed_runs": compiled_shapes(self.llm) - self.compiled_before}
 
@@ -305,7 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_tps": {c: summary(v) for c, v in ref.items()},
         "ratio": {c: summary([a / b for a, b in zip(pj[c], ref[c], strict=True)]) for c in levels},
         "engine": {"layout": "pp=1 tp=1 (in-process)", **{k: pj_info[k] for k in (
-            "settings", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "build_s", "warm_runs_s")}},
+            "settings", "max_num_seqs", "max_num_batched_tokens", "kv_cache", "kernels", "build_s", "warm_runs_s")}},
         "processes": "each engine in a fresh process of its own, the timed runs alternating between them",
         "hf_threads": hf_info["hf_threads"],
         "cores_busy": {"pipejax": summary([c["cores"] for c in cores["pj"]]),
