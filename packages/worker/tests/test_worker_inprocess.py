@@ -99,7 +99,7 @@ def test_pipeline_greedy_equals_transformers(checkpoint, hf_expected):
         assert seconds > 0
         assert len(w.runner.compiled_shapes) == len(batches)
         assert w.step_trace() == []  # warm-up steps are not traced
-        assert {"init", "load", "warmup"} <= set(w.setup_timings())
+        assert {"init", "kernels", "load", "warmup"} <= set(w.setup_timings())
         chosen = w.kernel_selection()  # tp=2 stages: XLA's sharded dots, never the one-device dense kernel
         assert chosen["dense_matmuls"] == "xla" and chosen["decode_attention"] in ("xla", "cpu-kernel"), chosen
     built = workers[0].compile_stats() - before  # both stages' programs: they share this process

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -71,8 +72,10 @@ class StageRunner:
         self.impl = get_model_impl(model_impl)
         options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers, few_row_dots)
         # which CPU kernels run here: measured against XLA's formulation on this host where asked "auto"
+        started = time.time()
         self.selection = select(mesh, self.cfg, options, self.limits, native=self.impl is NATIVE,
                                 remember_in=jax.config.jax_compilation_cache_dir)
+        self.selection_span = (started, time.time())  # wall clock: a first start on a host measures here
         self.dense_matmuls = self.selection.dense_matmuls
         self.decode_attention = self.selection.decode_attention
         self.prefill_attention = self.selection.prefill_attention

@@ -121,7 +121,7 @@ class StageWorker:
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
         self.trace: deque[tuple[int, int, float, float]] = deque(maxlen=config.step_trace_len)
         self.bytes_sent = 0  # activation bytes sent to the next stage
-        # wall-clock (start, end) of each set-up phase that ran: "init", "load", "warmup"
+        # wall-clock (start, end) of each set-up phase that ran: "init", "kernels", "load", "warmup"
         self.setup_times: dict[str, tuple[float, float]] = {"init": (created, time.time())}
 
     # --- set-up, in the order an executor calls it ------------------------------------------
@@ -151,12 +151,14 @@ class StageWorker:
         """Load the stage's weights and allocate ``num_blocks`` KV blocks (the same on every stage);
         ``None`` loads only the weights (``allocate_kv_cache`` follows, sized with them in memory)."""
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
-        start, started = time.perf_counter(), time.time()
+        start = time.perf_counter()
         self.runner = StageRunner(
             self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed,
             self.config.model_impl, scheduler=self.limits,
         )
-        self.setup_times["load"] = (started, time.time())
+        # the kernel choice (measured on a host's first start, remembered after) apart from the weights
+        self.setup_times["kernels"] = self.runner.selection_span
+        self.setup_times["load"] = (self.runner.selection_span[1], time.time())
         log.info("stage %d loaded in %.1fs (%s KV blocks)", self.stage.pp_rank, time.perf_counter() - start, num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

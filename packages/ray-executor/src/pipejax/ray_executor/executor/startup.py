@@ -22,7 +22,7 @@ class StartupReport:
         """Per stage by pp rank: its set-up ``timings``, its ``compiles`` (counted by its process, since the stage
         was created) and its process (host, pid). Stages sharing a process count that process's programs once."""
         phases = {}
-        for name in ("init", "load", "warmup"):
+        for name in ("init", "kernels", "load", "warmup"):
             spans = [t[name] for t in timings if name in t]
             if spans:
                 phases[name] = max(end for _, end in spans) - min(start for start, _ in spans)
@@ -35,7 +35,7 @@ class StartupReport:
     def describe(self, total_s: float | None = None) -> str:
         total = sum(self.compiles, CompileStats())
         slowest = max((c.seconds for c in self.compiles), default=0.0)
-        names = {"init": "stage processes", "load": "weights", "warmup": "warm-up"}
+        names = {"init": "stage processes", "kernels": "CPU kernel choice", "load": "weights", "warmup": "warm-up"}
         parts = [f"{names[k]} {v:.1f}s" for k, v in self.phases.items()]
         parts.append(f"{total.programs} XLA programs ({total.compiled} compiled, {total.cache_hits} from the "
                      f"compilation cache; {slowest:.1f}s in the busiest of {len(self.compiles)} processes)")
