@@ -108,3 +108,14 @@ def test_cache_config_refuses_bad_values():
         dataclasses.replace(CacheConfig(), engines_on_host=0)
     with pytest.raises(ValueError, match=r"memory_fraction=1.5 must be in \(0, 1\]"):
         CacheConfig(memory_fraction=1.5)
+
+
+def test_the_vllm_host_reads_its_budget_from_pipejax_or_vllm_variables():
+    from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
+
+    assert cpu_kvcache_space_from_env({}) is None
+    assert cpu_kvcache_space_from_env({"VLLM_CPU_KVCACHE_SPACE": "0"}) is None  # vLLM's "unset"
+    assert cpu_kvcache_space_from_env({"VLLM_CPU_KVCACHE_SPACE": "2"}) == 2.0
+    assert cpu_kvcache_space_from_env({"PIPEJAX_CPU_KVCACHE_SPACE": "1.5", "VLLM_CPU_KVCACHE_SPACE": "2"}) == 1.5
+    with pytest.raises(ValueError, match="PIPEJAX_CPU_KVCACHE_SPACE='lots' is not a number of GiB"):
+        cpu_kvcache_space_from_env({"PIPEJAX_CPU_KVCACHE_SPACE": "lots"})

@@ -153,3 +153,20 @@ def _too_small(plan: KVCachePlan, limit: int, blocks: int, one_request: int) -> 
     wanted = math.ceil(one_request * plan.stage_bytes_per_block * plan.sharers / GIB * 100) / 100
     return (f"{budget}, shared by {plan.sharing}, {short}; give {BUDGET_FLAGS} of at least {wanted:g} GiB, "
             f"lower --max-model-len, or place fewer stages on this host")
+
+
+VLLM_CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend's own budget (GiB; 0: unset)
+
+
+def cpu_kvcache_space_from_env(environ) -> float | None:
+    """The CPU KV budget in GiB an edge reads from ``environ`` for the vLLM host: ``PIPEJAX_CPU_KVCACHE_SPACE``,
+    else vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` (which vLLM reads as 0 when unset); None: the default."""
+    for name, unset in ((CPU_KVCACHE_SPACE_ENV, ("",)), (VLLM_CPU_KVCACHE_SPACE_ENV, ("", "0"))):
+        value = environ.get(name, "")
+        if value in unset:
+            continue
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number of GiB; set it to e.g. 4, or unset it") from None
+    return None

@@ -201,7 +201,11 @@ class VllmStageWorker(WorkerBase):
             model=mc.model,
             stage=stage,
             tp_size=self.options["tensor_parallel_size"],
-            cache=CacheConfig(block_size=self.cache_config.block_size),
+            # on CPU: the host's KV budget (the platform records PIPEJAX_CPU_KVCACHE_SPACE or vLLM's own
+            # VLLM_CPU_KVCACHE_SPACE), shared with the stages of vLLM's other data-parallel engines on this host
+            cache=CacheConfig(block_size=self.cache_config.block_size,
+                              cpu_kvcache_space=self.options.get("cpu_kvcache_space"),
+                              engines_on_host=max(1, self.parallel_config.data_parallel_size_local)),
             scheduler=limits,
             dtype=str(mc.dtype).removeprefix("torch."),
             seed=mc.seed or 0,
