@@ -100,9 +100,31 @@ def _kinds(tpu_nodes: dict) -> str:
     return ", ".join(f"{ip}: {hw.generation}" for ip, hw in sorted(tpu_nodes.items()))
 
 
+def refuse_unplaceable(units: StageUnits, stages: int, what: str = "pp/tp") -> None:
+    """ValueError at once when the live nodes could never hold ``stages`` bundles of ``units`` in CPU mode,
+    where the resource is a label that nodes declare when Ray starts on them: waiting out the placement
+    timeout would not help. TPU chips are left to the timeout (an autoscaler may still add TPU nodes)."""
+    if units.resource == TPU_RESOURCE:
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fits = sum(int(n["Resources"].get(units.resource, 0) // units.per_stage) for n in nodes)
+    if fits >= stages:
+        return
+    per_node = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:8]}): {n['Resources'].get(units.resource, 0):g}"
+                         for n in nodes) or "no live nodes"
+    raise ValueError(
+        f"the Ray cluster cannot place {stages} stages of {units.per_stage} '{units.resource}' each (a stage never "
+        f"spans nodes): its nodes hold {fits}. '{units.resource}' per node: {per_node}. Declare them where Ray "
+        f"starts (ray start --head --resources '{{\"{units.resource}\": {stages * units.per_stage}}}', or on more "
+        f"nodes), let pipejax start a cluster of its own (no RAY_ADDRESS / ray_address, no ray.init of yours), "
+        f"or lower {what}."
+    )
+
+
 def create_placement_group(pp: int, units: StageUnits, timeout_s: float) -> PlacementGroup:
     """PP bundles of ``units``, PACKed, the first pinned to the driver's node if it has the devices (and
     no slice head is asked for: that pins bundle 0 to the slice's worker 0)."""
+    refuse_unplaceable(units, pp)
     bundles = units.bundles(pp)
     driver_node = ray.get_runtime_context().get_node_id()
     here = next((n for n in ray.nodes() if n["NodeID"] == driver_node), None)

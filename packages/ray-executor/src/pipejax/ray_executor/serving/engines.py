@@ -97,7 +97,7 @@ class RayEngines:
         """Connect to Ray and reserve every rank's placement group (``groups``, ``nodes``, ``units``)."""
         import ray
 
-        from pipejax.ray_executor.executor.ray_placement import connect, stage_units
+        from pipejax.ray_executor.executor.ray_placement import connect, refuse_unplaceable, stage_units
         from pipejax.ray_executor.platforms import current_platform
 
         par, settings = self.config.parallel, self.config.ray
@@ -105,6 +105,7 @@ class RayEngines:
         self._started_ray = connect(settings.address, platform, self.dp_size * par.world_size, settings.device_resource)
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         self.units = stage_units(platform, pp, tp, settings.device_resource)
+        refuse_unplaceable(self.units, self.dp_size * pp, "-dp/-pp/-tp")
         head = ray.get_runtime_context().get_node_id()
         self.groups = [self._placement_group(rank, head, self.units) for rank in range(self.dp_size)]
         self._wait_placed(self.units)
