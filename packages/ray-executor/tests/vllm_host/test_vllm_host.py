@@ -127,14 +127,66 @@ def llama(checkpoints):
     return path, model
 
 
+README = Path(__file__).resolve().parents[4] / "README.md"
+
+
+def readme_vllm_ray_commands() -> tuple[list[str], dict[str, str], list[str]]:
+    """The README's vLLM + Ray commands as written (its section "vLLM as the host"): ``ray start``'s argv, and
+    ``vllm serve``'s environment prefix and argv."""
+    import shlex
+
+    section = README.read_text().split("## vLLM as the host", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    ray_start, serve = (shlex.split(line, comments=True) for line in block.strip().splitlines())
+    env = {}
+    while "=" in serve[0]:
+        name, _, value = serve.pop(0).partition("=")
+        env[name] = value
+    assert ray_start[:3] == ["ray", "start", "--head"] and "--resources" in ray_start, ray_start
+    assert serve[:2] == ["vllm", "serve"] and "--distributed-executor-backend" in serve, serve
+    assert "/path/to/checkpoint" in serve, serve
+    return ray_start, env, serve
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster that declares 4 ``TPU`` resources (vLLM's Ray executors place by them)."""
-    import ray
+    """The README's ``ray start --head --resources '{"TPU": 4}'``, run in an environment without pipejax's
+    variables (the vLLM process must bring them to its Ray workers). Test-only additions: a Ray temp dir of
+    its own (``RAY_TMPDIR``: vLLM finds this cluster there as the last ``ray start``, and no other), a free
+    port, no dashboard, and ``--block``, so that ending this process ends exactly this cluster (``ray stop``
+    would end every Ray cluster of the machine)."""
+    import shutil
+    import tempfile
+    import time
 
-    ctx = ray.init(address="local", resources={"TPU": 4}, include_dashboard=False)
-    yield ctx.address_info["address"]
-    ray.shutdown()
+    from pipejax.platform_tpu.vllm_platform import FORWARDED_ENV
+
+    argv, _, _ = readme_vllm_ray_commands()
+    ray_tmp = tempfile.mkdtemp(prefix="pjray-")
+    env = {k: v for k, v in engine_env(RAY_TMPDIR=ray_tmp).items() if k not in FORWARDED_ENV}
+    ray_cli = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_cli), *argv[1:], "--block", "--port", str(_free_port()), "--include-dashboard=false",
+           "--disable-usage-stats"]
+    log_path = Path(ray_tmp) / "ray-start.log"
+    log = open(log_path, "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    address_file = Path(ray_tmp) / "ray" / "ray_current_cluster"
+    deadline = time.monotonic() + 120
+    try:
+        while not address_file.exists():
+            assert proc.poll() is None, f"ray start exited ({proc.returncode}):\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"ray start not up within 120 s:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.5)
+        yield {"RAY_TMPDIR": ray_tmp}
+    finally:
+        proc.terminate()  # ray start --block ends the cluster's processes on SIGTERM
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -147,18 +199,22 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_server(llama, ray_cluster):
-    """``vllm serve <checkpoint> -pp 2 -tp 2 --distributed-executor-backend ray``, as a user runs it."""
+    """The README's ``PIPEJAX_PLATFORM=cpu vllm serve <checkpoint> -pp 2 -tp 2 --distributed-executor-backend ray``
+    as written (vLLM's default start method, no RAY_ADDRESS: it joins the cluster above as a user's would), plus
+    the test's port, dtype and sizes."""
     import time
     import urllib.request
 
     path, _ = llama
+    _, prefix, argv = readme_vllm_ray_commands()
     port = _free_port()
     vllm_cli = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm_cli), "serve", path, "-pp", "2", "-tp", "2", "--distributed-executor-backend", "ray",
+    cmd = [str(vllm_cli), *(path if a == "/path/to/checkpoint" else a for a in argv[1:]),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--served-model-name", "tiny"]
+    env = {k: v for k, v in engine_env(**ray_cluster, **prefix).items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     log = open(Path(path) / "serve.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=engine_env(RAY_ADDRESS=ray_cluster))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 400
 
@@ -185,6 +241,26 @@ def vllm_server(llama, ray_cluster):
             proc.kill()
             proc.wait(timeout=30)
         log.close()
+
+
+def test_ray_config_reads_the_cluster_vllm_joins_and_carries_the_platform(ray_cluster, llama, monkeypatch):
+    """In CPU mode the platform reads the cluster vLLM's engine core will join (the README's, the last
+    ``ray start``) before vLLM waits on it, and hands its variables to the Ray workers in ``ray_runtime_env``."""
+    import time
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    path, _ = llama
+    monkeypatch.setenv("RAY_TMPDIR", ray_cluster["RAY_TMPDIR"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = EngineArgs(model=path, pipeline_parallel_size=2, tensor_parallel_size=2,
+                        distributed_executor_backend="ray").create_engine_config()
+    assert config.parallel_config.ray_runtime_env["env_vars"]["PIPEJAX_PLATFORM"] == "cpu"
+    start = time.monotonic()
+    with pytest.raises(Exception, match="lists 4 'TPU'") as refused:  # 5 stages on the README's 4
+        EngineArgs(model=path, pipeline_parallel_size=5, distributed_executor_backend="ray").create_engine_config()
+    assert time.monotonic() - start < 30
+    assert """ray start --head --resources '{"TPU": 5}'""" in str(refused.value), refused.value
 
 
 def test_vllm_serve_answers_the_openai_client(vllm_server, llama):

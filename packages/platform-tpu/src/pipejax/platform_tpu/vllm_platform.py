@@ -15,6 +15,10 @@ Members vLLM needs although pipejax's worker uses no torch device (each found th
 the vLLM-host probe): ``device_name``/``device_type`` must be a torch device type (vLLM's gloo
 process groups are built on it), ``ray_device_key`` an accelerator resource Ray lists for an actor,
 ``set_device`` a no-op (vLLM's output threads call it).
+
+Under vLLM's Ray executors (``distributed_executor_backend='ray'``) the platform also carries its
+environment (``FORWARDED_ENV``) to the Ray workers in vLLM's ``ParallelConfig.ray_runtime_env``, and in CPU
+mode has the cluster vLLM will use checked for ``ray_device_key`` first (``RAY_CHECKS_GROUP``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ SUPPORTED_VLLM = "0.32.0"
 # Passed to vLLM's Ray workers with the driver's values (vLLM copies these names). The compilation cache
 # folder is not among them: the platform reads PIPEJAX_COMPILATION_CACHE_DIR here and records it in the options.
 FORWARDED_ENV = ["PIPEJAX_PLATFORM", "XLA_FLAGS", "JAX_PLATFORMS", "VLLM_PP_LAYER_PARTITION"]
+# Entry points ``check(device_key, stages)`` run before vLLM's engine core uses Ray in CPU mode: this layer imports
+# no Ray, pipejax-ray-executor registers the check (``pipejax.ray_executor.vllm_ray.check_cluster``).
+RAY_CHECKS_GROUP = "pipejax.vllm_ray_checks"
 
 
 class PipejaxPlatform(Platform):
@@ -48,7 +55,10 @@ class PipejaxPlatform(Platform):
     device_type = "cpu"
     dispatch_key = "CPU"
     dist_backend = "gloo"
-    ray_device_key = "TPU"  # one per stage actor (on a CPU host: ray start --resources '{"TPU": N}')
+    # One per stage actor. Never "CPU", even on a CPU host: vLLM's Ray executors pass the key in an actor's
+    # resources= (Ray refuses CPU there) and read get_accelerator_ids()[key] (no CPU entry), so a CPU host's
+    # cluster declares TPU: ray start --resources '{"TPU": N}'.
+    ray_device_key = "TPU"
     device_control_env_var = "TPU_VISIBLE_CHIPS"
     ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]  # the stage sets its own chips
     simple_compile_backend = "eager"  # nothing of pipejax runs through torch.compile
@@ -77,6 +87,10 @@ class PipejaxPlatform(Platform):
             pc.world_size = pc.pipeline_parallel_size * pc.prefill_context_parallel_size
             if pc.world_size == 1 and pc.distributed_executor_backend == "mp":
                 pc.distributed_executor_backend = "uni"  # one stage: run it in the engine core
+            if pc.distributed_executor_backend == "ray":
+                pc.ray_runtime_env = ray_runtime_env(pc.ray_runtime_env, os.environ)
+                if not _pipejax_platform().is_tpu():  # CPU mode: the stages' "TPU" is a label `ray start` declares
+                    check_ray_cluster(cls.ray_device_key, pc.world_size)
         if pc.worker_cls == "auto":
             pc.worker_cls = WORKER_CLS
         if cache.block_size is None:
@@ -135,6 +149,27 @@ def _pipejax_platform():
     from pipejax.platform_tpu.platform import TpuPlatform
 
     return TpuPlatform()
+
+
+def ray_runtime_env(current, environ) -> dict:
+    """vLLM's ``ParallelConfig.ray_runtime_env`` with the driver's ``FORWARDED_ENV`` among its ``env_vars``
+    (values already there are kept). vLLM 0.32's engine core passes it to ``ray.init`` (``initialize_ray_cluster``:
+    the job's environment, which every actor of the job inherits: the compiled-graph executor's workers) and
+    RayExecutorV2 to each worker actor, so a Ray worker process starts with ``PIPEJAX_PLATFORM`` set whatever
+    environment ``ray start`` had. ``additional_env_vars`` alone is too late: vLLM copies those into a worker
+    only once it runs, after it has imported vLLM and resolved its platform."""
+    env = dict(current or {})
+    env["env_vars"] = {k: environ[k] for k in FORWARDED_ENV if k in environ} | dict(env.get("env_vars") or {})
+    return env if current is None else type(current)(**env)  # a Ray RuntimeEnv stays one
+
+
+def check_ray_cluster(device_key: str, stages: int) -> None:
+    """Run every ``RAY_CHECKS_GROUP`` entry point: each raises when the Ray cluster vLLM will use cannot place
+    ``stages`` actors of one ``device_key`` (none without pipejax-ray-executor: then vLLM's own wait)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=RAY_CHECKS_GROUP):
+        ep.load()(device_key, stages)
 
 
 def plan_stages(pp: int, tp: int, backend: str | None, partition: str | None) -> dict:
