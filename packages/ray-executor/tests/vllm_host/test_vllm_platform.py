@@ -13,6 +13,7 @@ from vllm.exceptions import VLLMValidationError
 
 from pipejax.platform_tpu.vllm_platform import PipejaxPlatform
 from pipejax.runner.builtin_model import write_checkpoint
+from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
 from pipejax.worker.vllm_requests import UnsupportedFeatureError, to_sampling_params
 
 
@@ -45,6 +46,16 @@ def test_config_hides_tp_inside_each_stage(checkpoint):
         assert sorted(f for f in flags if "host_platform_device_count" not in f) == sorted(others)
     # The platform reads PIPEJAX_COMPILATION_CACHE_DIR (the conftest's) for the workers, which read no environment.
     assert opts["compilation_cache_dir"] == os.environ["PIPEJAX_COMPILATION_CACHE_DIR"]
+    # and the CPU KV budget: vLLM's own variable where pipejax's is unset (None: the default budget)
+    assert opts["cpu_kvcache_space"] == cpu_kvcache_space_from_env(os.environ)
+
+
+def test_the_cpu_kv_budget_comes_from_vllms_variable(checkpoint, monkeypatch):
+    monkeypatch.delenv("PIPEJAX_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    config = EngineArgs(model=checkpoint, pipeline_parallel_size=2,
+                        distributed_executor_backend="mp").create_engine_config()
+    assert config.additional_config["pipejax"]["cpu_kvcache_space"] == 2.0
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [

@@ -73,12 +73,14 @@ class PipejaxPlatform(Platform):
                              "use 'uni', 'mp' or 'ray'")
         opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
         if opts is None:  # first call (the config is checked again in each process that rebuilds it)
+            from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
             from pipejax.worker.worker import compilation_cache_dir_from_env
 
             opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size,
                                pc.distributed_executor_backend, os.environ.get("VLLM_PP_LAYER_PARTITION"))
             # The platform is the edge that reads pipejax's environment under vLLM; every stage gets the driver's.
             opts["compilation_cache_dir"] = compilation_cache_dir_from_env(os.environ)
+            opts["cpu_kvcache_space"] = cpu_kvcache_space_from_env(os.environ)  # GiB per host on CPU; None: default
             additional = dict(vllm_config.additional_config or {})
             additional[OPTIONS_KEY] = opts
             vllm_config.additional_config = additional
