@@ -195,7 +195,7 @@ class WarmingEngine(FakeEngine):
         super().__init__()
         self.warmed: list[str] = []
         self.executor.warmup_batches = lambda: [f"shape{i}" for i in range(6)]
-        self.executor.warmup_one = lambda batch: (time.sleep(0.05), self.warmed.append(batch))
+        self.executor.warmup_one = lambda batch: (time.sleep(0.2), self.warmed.append(batch))
         self.executor.collective_rpc = lambda name: [len(self.warmed)]
 
 
