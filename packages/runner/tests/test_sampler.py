@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipejax.runner.batch import SamplingParams, TokenLogprobs
-from pipejax.runner.sampler import SamplingMetadata, is_all_greedy, sample, to_sampler_output
+from pipejax.runner.sampler import SamplingMetadata, sample, to_sampler_output
 
 ROWS, VOCAB, NUM_LOGPROBS = 16, 32000, 5  # the "real" shape: one compile
 DRAWS = 2000  # draws per configuration in the distribution tests
@@ -38,19 +38,6 @@ def test_greedy_is_argmax_like_torch_including_ties():
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
     np.testing.assert_array_equal(tokens, torch.argmax(torch.from_numpy(logits), dim=-1).numpy())
     assert tokens[3] == 10
-
-
-def test_the_all_greedy_program_gives_the_same_result():
-    """A batch of greedy rows only (``is_all_greedy``) compiles the argmax alone: same tokens and logprobs."""
-    logits = _logits(7)
-    rows = [(GREEDY, 0, f"r{i}") for i in range(ROWS - 3)]  # the padding rows are greedy too
-    meta = SamplingMetadata.build(rows, ROWS, 0)
-    assert is_all_greedy(meta)
-    assert not is_all_greedy(SamplingMetadata.build([*rows, (SamplingParams(temperature=0.7), 0, "t")], ROWS, 0))
-    full, alone = (sample(logits, meta, num_logprobs=NUM_LOGPROBS, all_greedy=g) for g in (False, True))
-    np.testing.assert_array_equal(np.asarray(alone.tokens), np.argmax(logits, axis=-1))
-    for a, b in zip(full, alone, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_greedy_rows_stay_argmax_next_to_sampled_rows_and_top_k_1_is_greedy():

@@ -22,7 +22,7 @@ from pipejax.runner.cpu.select import KernelOptions, select
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import NATIVE, get_model_impl
-from pipejax.runner.sampler import SamplingMetadata, is_all_greedy, to_sampler_output
+from pipejax.runner.sampler import SamplingMetadata, to_sampler_output
 from pipejax.runner.sampler import sample as sample_tokens
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class StageRunner:
         asked = [n for n in wanted if n is not None]
         most = max(asked, default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
-        result = sample_tokens(logits, meta, num_logprobs=num_logprobs, all_greedy=is_all_greedy(meta))
+        result = sample_tokens(logits, meta, num_logprobs=num_logprobs)
         out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]
         return SamplerOutput(

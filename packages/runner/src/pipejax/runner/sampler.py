@@ -230,20 +230,16 @@ def _random_tokens(logits: jax.Array, meta: SamplingMetadata, greedy: jax.Array)
     return jnp.minimum(token, last_kept).astype(jnp.int32)
 
 
-def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int | None,
-            all_greedy: bool = False) -> SampleResult:
+def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int | None) -> SampleResult:
     logits = logits.astype(jnp.float32)  # [R, V]
     rows = logits.shape[0]
-    if all_greedy:  # a program of the argmax alone: the random path's filters take most of the sampler's compile
-        tokens = _argmax(logits)
-    else:
-        greedy = meta.temperature < GREEDY_TEMPERATURE  # [R]
-        greedy_tokens = jax.lax.cond(jnp.any(greedy), lambda: _argmax(logits), lambda: jnp.zeros(rows, jnp.int32))
-        tokens = jax.lax.cond(
-            jnp.all(greedy),
-            lambda: greedy_tokens,
-            lambda: jnp.where(greedy, greedy_tokens, _random_tokens(logits, meta, greedy)),
-        )
+    greedy = meta.temperature < GREEDY_TEMPERATURE  # [R]
+    greedy_tokens = jax.lax.cond(jnp.any(greedy), lambda: _argmax(logits), lambda: jnp.zeros(rows, jnp.int32))
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: greedy_tokens,
+        lambda: jnp.where(greedy, greedy_tokens, _random_tokens(logits, meta, greedy)),
+    )
     if num_logprobs is None:  # no row wants logprobs: the tokens alone
         none = jnp.zeros((rows, 0))
         return SampleResult(tokens, jnp.zeros(rows), none.astype(jnp.int32), none, jnp.zeros(rows, jnp.int32))
@@ -261,19 +257,13 @@ def _sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int | None,
     return SampleResult(tokens, sampled_logprob, top_ids.astype(jnp.int32), top_logprobs, sampled_rank)
 
 
-sample = jax.jit(_sample, static_argnames=("num_logprobs", "all_greedy"))
-sample.__doc__ = """sample(logits f32[R, V], meta, num_logprobs: int | None, all_greedy=False) -> SampleResult (jitted).
+sample = jax.jit(_sample, static_argnames=("num_logprobs",))
+sample.__doc__ = """sample(logits f32[R, V], meta, num_logprobs: int | None) -> SampleResult (jitted).
 
 ``num_logprobs`` (static) is how many top raw logprobs to return per row; use the largest any
 row asked for (bucket it to bound recompiles). None: no row wants logprobs, so only ``tokens`` is
-computed (the other fields are zeros, and the top-N ones empty). ``all_greedy`` (static): every row is greedy
-(``is_all_greedy(meta)``), and the program is the argmax alone, a fraction of the full sampler's compile.
+computed (the other fields are zeros, and the top-N ones empty).
 """
-
-
-def is_all_greedy(meta: SamplingMetadata) -> bool:
-    """Whether every row of host metadata ``meta`` is greedy (padding rows are)."""
-    return bool(np.all(np.asarray(meta.temperature) < GREEDY_TEMPERATURE))
 
 
 def to_sampler_output(
