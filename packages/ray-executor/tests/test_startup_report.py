@@ -13,5 +13,5 @@ def test_phases_span_the_stages_and_shared_processes_count_once():
     assert report.phases == {"init": 1.5, "load": 5.0, "warmup": 5.0}
     assert report.compiles == (CompileStats(10, 4, 3.0), CompileStats(5, 5, 0.5))
     line = report.describe(12.34)
-    assert line == ("start-up 12.3s: stage processes 1.5s, weights 5.0s, warm-up 5.0s, 15 XLA programs (6 compiled, "
+    assert line == ("start-up 12.3s: stage init 1.5s, weights 5.0s, warm-up 5.0s, 15 XLA programs (6 compiled, "
                     "9 from the compilation cache; 3.0s in the busiest of 2 processes)")

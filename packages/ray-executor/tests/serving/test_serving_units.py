@@ -1,5 +1,6 @@
 """The serving pieces without a model: wire types, the engine-core loop (on a fake engine), the coordinator, routing."""
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -121,19 +122,33 @@ def _recv(sock, decode, timeout_ms=5000):
     return decode(sock.recv())
 
 
-def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
+@contextlib.contextmanager
+def running_core(core_class, index: int, warmup: bool):
+    """``core_class``'s loop in a thread, wired to one API server's sockets (ROUTER, PULL) and the stats PULL;
+    yields (core, router, pull, stats, result: {"reason": what run() returned}); stops and closes all after."""
     addresses = DPAddresses.create(None, None, 1)
     ctx = zmq.Context()
     router, pull, stats = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
     router.bind(addresses.input(0))
     pull.bind(addresses.output(0))
     stats.bind(addresses.stats)
-    core = FakeCore(None, 3, addresses, warmup=False, node_id="node-x")
+    core = core_class(None, index, addresses, warmup=warmup, node_id="node-x")
     result = {}
     thread = threading.Thread(target=lambda: result.update(reason=core.run()), daemon=True)
     thread.start()
-    decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
     try:
+        yield core, router, pull, stats, result
+    finally:
+        core.stop_event.set()
+        thread.join(timeout=10)
+        for s in (router, pull, stats):
+            s.close(linger=0)
+        ctx.term()
+
+
+def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
+    decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+    with running_core(FakeCore, 3, warmup=False) as (core, router, pull, stats, result):
         assert router.poll(5000)
         identity, kind, payload = router.recv_multipart()
         info = msgspec.msgpack.decode(payload, type=EngineInfo)
@@ -175,17 +190,12 @@ def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
             msg = _recv(pull, decode_outputs)
             failed += [o for o in msg.outputs if o.request_id == "doomed"]
             dead = msg.engine_dead
-        thread.join(timeout=10)
-        assert not thread.is_alive()
-        assert "EngineDeadError" in dead and "stage 1 (host h)" in dead and result["reason"] == dead
+        deadline = time.monotonic() + 10  # the loop ends by itself once the engine died
+        while "reason" not in result and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "EngineDeadError" in dead and "stage 1 (host h)" in dead and result.get("reason") == dead
         assert failed and failed[0].error_kind == "engine_dead"
         assert failed[0].error.startswith("data-parallel engine 3 (host ") and "stage 1 (host h)" in failed[0].error
-    finally:
-        core.stop_event.set()
-        thread.join(timeout=10)
-        for s in (router, pull, stats):
-            s.close(linger=0)
-        ctx.term()
 
 
 class WarmingEngine(FakeEngine):
@@ -207,16 +217,7 @@ class WarmingCore(EngineCore):
 def test_engine_core_announces_itself_first_and_warms_up_between_requests():
     """The engine is READY before any shape compiles; the common shapes compile one by one while it is idle,
     and a request that comes meanwhile is served before the rest."""
-    addresses = DPAddresses.create(None, None, 1)
-    ctx = zmq.Context()
-    router, pull, stats = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
-    router.bind(addresses.input(0))
-    pull.bind(addresses.output(0))
-    stats.bind(addresses.stats)
-    core = WarmingCore(None, 0, addresses, warmup=True, node_id="node-x")
-    thread = threading.Thread(target=core.run, daemon=True)
-    thread.start()
-    try:
+    with running_core(WarmingCore, 0, warmup=True) as (core, router, pull, _, _):
         assert router.poll(5000)
         _, kind, _ = router.recv_multipart()
         assert kind == RequestType.READY.value and len(core.engine.warmed) < 6  # ready before the warm-up ends
@@ -233,12 +234,6 @@ def test_engine_core_announces_itself_first_and_warms_up_between_requests():
         while len(core.engine.warmed) < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert core.engine.warmed == [f"shape{i}" for i in range(6)]  # each once, in order
-    finally:
-        core.stop_event.set()
-        thread.join(timeout=10)
-        for s in (router, pull, stats):
-            s.close(linger=0)
-        ctx.term()
 
 
 def test_coordinator_publishes_load_and_declares_silent_engines_dead():

@@ -179,14 +179,19 @@ def ray_cluster():
             time.sleep(0.5)
         yield {"RAY_TMPDIR": ray_tmp}
     finally:
-        proc.terminate()  # ray start --block ends the cluster's processes on SIGTERM
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
+        _stop(proc, log)  # ray start --block ends the cluster's processes on SIGTERM
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _stop(proc: subprocess.Popen, log) -> None:
+    """SIGTERM ``proc``, SIGKILL it if it has not ended within 60 s, then close its ``log``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    log.close()
 
 
 def _free_port() -> int:
@@ -234,13 +239,7 @@ def vllm_server(llama, ray_cluster):
             time.sleep(2)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        log.close()
+        _stop(proc, log)
 
 
 def test_ray_config_reads_the_cluster_vllm_joins_and_carries_the_platform(ray_cluster, llama, monkeypatch):

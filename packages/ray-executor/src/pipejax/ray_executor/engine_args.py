@@ -39,11 +39,9 @@ def environment_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
     if environ.get(ENV_KEYWORDS["compilation_cache_dir"]) == "":
         out["compilation_cache_dir"] = ""
     if "cpu_kvcache_space" in out:
-        name, value = ENV_KEYWORDS["cpu_kvcache_space"], out["cpu_kvcache_space"]
-        try:
-            out["cpu_kvcache_space"] = float(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} is not a number of GiB; set it to e.g. 4, or unset it") from None
+        from pipejax.worker.kv_sizing import gib_from_env
+
+        out["cpu_kvcache_space"] = gib_from_env(ENV_KEYWORDS["cpu_kvcache_space"], out["cpu_kvcache_space"])
     return out
 
 

@@ -34,9 +34,6 @@ class CompileStats:
         return CompileStats(self.programs + other.programs, self.cache_hits + other.cache_hits,
                             self.seconds + other.seconds)
 
-    def describe(self) -> str:
-        return f"{self.programs} programs in {self.seconds:.1f}s ({self.compiled} compiled, {self.cache_hits} cached)"
-
 
 _lock = threading.Lock()
 _counts = {"programs": 0, "cache_hits": 0, "seconds": 0.0}

@@ -158,15 +158,18 @@ def _too_small(plan: KVCachePlan, limit: int, blocks: int, one_request: int) -> 
 VLLM_CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU backend's own budget (GiB; 0: unset)
 
 
+def gib_from_env(name: str, value: str) -> float:
+    """Environment variable ``name``'s ``value`` as GiB, or an error that names it and the fix."""
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of GiB; set it to e.g. 4, or unset it") from None
+
+
 def cpu_kvcache_space_from_env(environ) -> float | None:
     """The CPU KV budget in GiB an edge reads from ``environ`` for the vLLM host: ``PIPEJAX_CPU_KVCACHE_SPACE``,
     else vLLM's own ``VLLM_CPU_KVCACHE_SPACE`` (which vLLM reads as 0 when unset); None: the default."""
     for name, unset in ((CPU_KVCACHE_SPACE_ENV, ("",)), (VLLM_CPU_KVCACHE_SPACE_ENV, ("", "0"))):
-        value = environ.get(name, "")
-        if value in unset:
-            continue
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} is not a number of GiB; set it to e.g. 4, or unset it") from None
+        if environ.get(name, "") not in unset:
+            return gib_from_env(name, environ[name])
     return None

@@ -240,9 +240,7 @@ class StageWorker:
         """Which formulation this stage runs per kernel ("cpu-kernel" or "xla"), its decode layers and few-row
         dots: what ``runner.cpu.select`` chose here (measured where asked "auto")."""
         sel = self._require_runner().selection
-        return {"dense_matmuls": sel.dense_matmuls, "decode_attention": sel.decode_attention,
-                "prefill_attention": sel.prefill_attention, "decode_layers": sel.decode_layers,
-                "few_row_dots": sel.few_row_dots}
+        return {f.name: getattr(sel, f.name) for f in dataclasses.fields(sel) if f.name != "measured"}
 
     def compile_stats(self) -> CompileStats:
         """The XLA programs this stage's process has built since the worker was created, and how many came from

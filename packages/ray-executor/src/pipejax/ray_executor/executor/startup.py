@@ -35,7 +35,7 @@ class StartupReport:
     def describe(self, total_s: float | None = None) -> str:
         total = sum(self.compiles, CompileStats())
         slowest = max((c.seconds for c in self.compiles), default=0.0)
-        names = {"init": "stage processes", "kernels": "CPU kernel choice", "load": "weights", "warmup": "warm-up"}
+        names = {"init": "stage init", "kernels": "CPU kernel choice", "load": "weights", "warmup": "warm-up"}
         parts = [f"{names[k]} {v:.1f}s" for k, v in self.phases.items()]
         parts.append(f"{total.programs} XLA programs ({total.compiled} compiled, {total.cache_hits} from the "
                      f"compilation cache; {slowest:.1f}s in the busiest of {len(self.compiles)} processes)")

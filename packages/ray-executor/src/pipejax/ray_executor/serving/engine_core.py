@@ -73,7 +73,7 @@ class EngineCore:
         """Build the engine, announce it, serve until told to stop or the engine dies; returns why it ended."""
         self.engine = self.build_engine()
         if self.warmup:  # compiled while the engine is idle (``_warm_up_one``): it announces itself first
-            self._warmup_left = list(self.engine.executor.warmup_batches())
+            self._warmup_left = self.engine.executor.warmup_batches()
         if self.on_engine_built is not None:
             self.on_engine_built()
         ctx = zmq.Context()
