@@ -362,3 +362,37 @@ class TestWithinOneProcess:
         spec = IntermediateSpec({"x": TensorSpec((2,), "float32")})
         with pytest.raises(RuntimeError, match="connect_previous"):
             TransferServerTransport().receive(0, spec, timeout=1)
+
+
+def test_abort_ends_a_waiting_receive_until_the_previous_stage_is_replaced(pair):
+    """The executor replacing a lost previous stage: a receive stuck on it ends at once, later ones fail
+    fast, and after ``connect_previous`` to the replacement steps flow again."""
+    import threading
+
+    from pipejax.pp_utils import TransportAborted
+
+    _, receiver, meshes = pair
+    spec = IntermediateSpec({"hidden_states": TensorSpec((B, D), "float32", NamedSharding(meshes[1], PartitionSpec()))})
+    outcome = {}
+
+    def wait_for_never_sent():
+        start = time.monotonic()
+        try:
+            receiver.receive(NEVER_SENT + 1, spec, timeout=30)
+        except Exception as e:  # noqa: BLE001 - recorded for the asserts
+            outcome["error"], outcome["seconds"] = e, time.monotonic() - start
+
+    waiter = threading.Thread(target=wait_for_never_sent)
+    waiter.start()
+    time.sleep(0.5)
+    receiver.abort_receives()
+    waiter.join(timeout=10)
+    assert isinstance(outcome.get("error"), TransportAborted) and outcome["seconds"] < 5, outcome
+    with pytest.raises(TransportAborted):
+        receiver.receive(NEVER_SENT + 2, spec, timeout=30)
+    replacement = TransferServerTransport()
+    receiver.connect_previous(replacement.address, "stage 0 (replaced)")
+    TestWithinOneProcess()._send(replacement, 4242, meshes[0])
+    got = receiver.receive(4242, spec, timeout=10)["hidden_states"]
+    np.testing.assert_array_equal(np.asarray(got), _expected(4242)["hidden_states"])
+    replacement.close()

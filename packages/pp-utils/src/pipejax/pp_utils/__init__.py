@@ -34,6 +34,7 @@ from pipejax.pp_utils.transport import (
     DEFAULT_RECEIVE_TIMEOUT_S,
     ActivationTransport,
     InProcessTransport,
+    TransportAborted,
     TransportTimeout,
     place,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SpecMismatchError",
     "TensorSpec",
     "TransferServerTransport",
+    "TransportAborted",
     "TransportTimeout",
     "WorkerRecord",
     "logical_sharding",

@@ -64,7 +64,12 @@ from jax.experimental import transfer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from pipejax.pp_utils.intermediate import IntermediateSpec, IntermediateTensors, SpecMismatchError
-from pipejax.pp_utils.transport import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, TransportTimeout
+from pipejax.pp_utils.transport import (
+    DEFAULT_RECEIVE_TIMEOUT_S,
+    ActivationTransport,
+    TransportAborted,
+    TransportTimeout,
+)
 
 DESCRIPTOR_BYTES = 4096
 MAX_STEP_ID = 2**62 - 1  # two uuids per step must fit the server's uint64 ids
@@ -195,12 +200,20 @@ class TransferServerTransport(ActivationTransport):
         # seconds the latest receive waited for the descriptor, then for the data (for profiling)
         self.last_receive_waits: tuple[float, float] = (0.0, 0.0)
         self.readiness_checks = 0  # is_ready() calls so far (each leaks a little native memory in jaxlib 0.10.2)
+        self._aborted = False  # set by abort_receives(): every receive fails until connect_previous()
 
     def connect_previous(self, address: str, peer_name: str = "previous stage") -> None:
-        """Connect to the previous stage's ``address``; ``receive`` pulls from it."""
+        """Connect to the previous stage's ``address``; ``receive`` pulls from it. Connecting again (a replaced
+        previous stage) drops the pulls still pending from the old one."""
         self._conn = self._server.connect(address)
         self.peer = f"{peer_name} at {address}"
-        self._plans.clear()  # learned from the old peer's descriptors
+        with self._lock:
+            self._plans.clear()  # learned from the old peer's descriptors
+            self._pending.clear()
+            self._aborted = False
+
+    def abort_receives(self) -> None:
+        self._aborted = True
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -236,6 +249,8 @@ class TransferServerTransport(ActivationTransport):
         _check_step_id(step_id)
         if self._conn is None:
             raise RuntimeError(f"receive(step {step_id}) before connect_previous(); connect to the previous stage")
+        if self._aborted:
+            raise TransportAborted(f"step {step_id}: receives from {self.peer} are aborted until it is replaced")
         deadline = time.monotonic() + timeout
         key = _spec_key(spec)
         with self._lock:
@@ -298,6 +313,10 @@ class TransferServerTransport(ActivationTransport):
         # Readiness is queried at most every _SPIN_CHECK_S while spinning: each query leaks.
         start = time.monotonic()
         while not self._ready(arrays):
+            if self._aborted:
+                with self._lock:
+                    self._pending.pop(step_id, None)
+                raise TransportAborted(f"step {step_id}: the receive from {self.peer} was aborted (it is replaced)")
             now = time.monotonic()
             left = deadline - now
             if left <= 0:

@@ -27,6 +27,10 @@ class TransportTimeout(TimeoutError):
     """No activations arrived for a step within the timeout."""
 
 
+class TransportAborted(ConnectionError):
+    """A receive was cut short by ``abort_receives`` (the previous stage is being replaced)."""
+
+
 class ActivationTransport(abc.ABC):
     """Send activations to the next stage / receive them from the previous one."""
 
@@ -39,6 +43,11 @@ class ActivationTransport(abc.ABC):
         self, step_id: int, spec: IntermediateSpec, timeout: float = DEFAULT_RECEIVE_TIMEOUT_S
     ) -> IntermediateTensors:
         """The previous stage's activations for ``step_id``, placed in ``spec``'s shardings."""
+
+    def abort_receives(self) -> None:
+        """Make every receive, waiting now or later, fail with ``TransportAborted`` until ``connect_previous``
+        connects again (callable from another thread): the executor is replacing a lost previous stage, whose
+        activations will never come."""
 
     def close(self) -> None:
         """Release sockets/servers; idempotent."""
