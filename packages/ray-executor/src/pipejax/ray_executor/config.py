@@ -62,6 +62,10 @@ class EngineConfig:
     # The engine loop's own settings:
     max_batches_in_flight: int | None = None  # None: one per pipeline stage (1 turns pipelining off)
     step_timeout_s: float = 300.0  # a batch that has not come back by then is an error, never a hang
+    # A lost stage (its actor, its host) is replaced and the requests in flight are prefilled again, where the
+    # executor can (Ray); only when no replacement is up within recovery_timeout_s do they fail.
+    recovery: bool = True
+    recovery_timeout_s: float = 120.0
     # Keep the timings of the last N steps (the engine's batches in flight, each stage's step start/end;
     # ``executor.step_trace()``) for tests and profiling. 0: trace nothing (serving).
     step_trace_len: int = 0

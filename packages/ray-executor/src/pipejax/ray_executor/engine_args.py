@@ -112,6 +112,8 @@ def engine_config(
     pin_stage_cpus: bool = False,
     max_batches_in_flight: int | None = None,
     step_trace_len: int = 0,
+    recovery: str | bool = "on",
+    recovery_timeout: float = 120.0,
     platform_plugin: str | None = None,
     model_cache_dir: str | None = None,
     compilation_cache_dir: str | None = None,
@@ -126,7 +128,9 @@ def engine_config(
     (PIPEJAX_COMPILATION_CACHE_DIR; ~/.cache/pipejax/jax-compilation; "" turns the cache off),
     ``cpu_kvcache_space`` (PIPEJAX_CPU_KVCACHE_SPACE: GiB of host RAM for the KV caches of every stage on a CPU
     host; runner's ``CacheConfig`` has the default and ``pipejax.worker.kv_sizing`` the arithmetic).
-    ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig`` default on accelerators."""
+    ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig`` default on accelerators.
+    ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests again (Ray backends),
+    giving up after ``recovery_timeout`` seconds."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
     from pipejax.runner.config import CacheConfig, SchedulerConfig
@@ -141,6 +145,11 @@ def engine_config(
         "compilation_cache_dir": compilation_cache_dir,
         "cpu_kvcache_space": cpu_kvcache_space,
     }
+    if recovery not in ("on", "off", True, False):
+        raise ValueError(f"recovery={recovery!r}; use 'on' or 'off'")
+    if not recovery_timeout > 0:
+        raise ValueError(f"recovery_timeout={recovery_timeout!r}; give the seconds a lost stage may take to be "
+                         f"replaced, > 0 (e.g. 120), or turn recovery off")
     env = environment_defaults(os.environ) | {k: v for k, v in explicit.items() if v is not None}
     compile_cache = env.get("compilation_cache_dir")  # "": off
     return EngineConfig(
@@ -169,6 +178,8 @@ def engine_config(
         ),
         max_batches_in_flight=max_batches_in_flight,
         step_trace_len=step_trace_len,
+        recovery=recovery in ("on", True),
+        recovery_timeout_s=float(recovery_timeout),
         platform_plugin=env.get("platform_plugin"),
         compilation_cache_dir=default_compilation_cache_dir() if compile_cache is None else compile_cache or None,
     )

@@ -30,7 +30,18 @@ from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 log = logging.getLogger(__name__)
 
 
-HEALTH_CHECK_AFTER_S = 5.0  # a step pending this long makes the engine ask the executor whether stages are alive
+HEALTH_CHECK_AFTER_S = 3.0  # a step pending this long makes the engine ask the executor whether stages are alive
+
+
+@dataclasses.dataclass
+class RecoveryStats:
+    """What healing cost so far (serving's /metrics): recoveries done, requests moved back to the queue to be
+    prefilled again, seconds from a loss's detection to the pipeline's reconnection; the last one's phases."""
+
+    recoveries: int = 0
+    requests_moved: int = 0
+    seconds: float = 0.0
+    last_phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class StepTimeout(RuntimeError):
@@ -76,6 +87,7 @@ class LLMEngine:
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
         self.dead: EngineDeadError | None = None
+        self.recovery = RecoveryStats()
         self._in_flight: deque[tuple[ModelBatch, Future[SamplerOutput]]] = deque()
         # (time, batches in flight) after each submit, for the last ``config.step_trace_len`` submits
         self.in_flight_trace: deque[tuple[float, int]] = deque(maxlen=config.step_trace_len)
@@ -156,8 +168,34 @@ class LLMEngine:
         try:
             output = self._wait(batch, future)
         except Exception as exc:
-            self._die(batch, exc)
+            self._in_flight.appendleft((batch, future))
+            if not (self.config.recovery and self.executor.can_recover):
+                self._die(exc)
+            self._recover(exc)
+            return []
         return self.scheduler.update(batch, output)
+
+    def _recover(self, exc: Exception) -> None:
+        """A stage was lost: pause (every batch in flight is dropped, its requests keep the tokens they have and
+        wait to be prefilled again: nothing a client received is taken back), let the executor replace the
+        lost stages, go on. Where it cannot within ``recovery_timeout_s``, the engine dies as without recovery,
+        naming both errors."""
+        start = time.monotonic()
+        reason = f"{type(exc).__name__}: {exc}"
+        self._in_flight.clear()
+        moved = self.scheduler.preempt_all()
+        log.warning("a stage was lost (%s); %d requests wait to be prefilled again", reason.splitlines()[0], moved)
+        try:
+            phases = self.executor.recover(self.config.recovery_timeout_s)
+        except Exception as failure:  # noqa: BLE001 - the engine dies naming both
+            self._die(RuntimeError(f"{reason}; recovery failed: {type(failure).__name__}: {failure}"))
+        seconds = time.monotonic() - start
+        self.recovery.recoveries += 1
+        self.recovery.requests_moved += moved
+        self.recovery.seconds += seconds
+        self.recovery.last_phases = {**phases, "total": seconds}
+        log.warning("recovered in %.1fs (%s); %d requests resume", seconds,
+                    ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), moved)
 
     def _wait(self, batch: ModelBatch, future: Future[SamplerOutput]) -> SamplerOutput:
         """The batch's output; while it is pending, stages are health-checked so a lost one fails fast."""
@@ -172,12 +210,12 @@ class LLMEngine:
                     ) from None
                 self.executor.check_health()
 
-    def _die(self, batch: ModelBatch, exc: Exception) -> None:
+    def _die(self, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         log.error("engine stopped: %s", reason)
-        failed = self.scheduler.fail(batch, reason)
-        for other, _ in self._in_flight:
-            failed += self.scheduler.fail(other, reason)
+        failed = []
+        for batch, _ in self._in_flight:
+            failed += self.scheduler.fail(batch, reason)
         self._in_flight.clear()
         failed += self.scheduler.fail_all(reason)
         self.dead = EngineDeadError(reason, [r.output() for r in failed], [r.delta() for r in failed])

@@ -128,6 +128,25 @@ class Scheduler:
                     self._release(req)
         return touched
 
+    def preempt_all(self) -> int:
+        """Every batch in flight is lost (a stage was): each unfinished request keeps its prompt and the tokens
+        it generated, drops its KV blocks and waits at the front of the queue, in its order, to be prefilled
+        again; a request aborted while in flight is released. Returns how many requests were preempted."""
+        requeued = []
+        for req in list(self.running):
+            req.in_flight = False
+            if req.finished:
+                self._release(req)
+                continue
+            self.blocks.free(req.block_ids)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            requeued.append(req)
+        self.running = []
+        self.waiting.extendleft(reversed(requeued))
+        self.num_preemptions += len(requeued)
+        return len(requeued)
+
     def fail(self, batch: ModelBatch, reason: str) -> list[Request]:
         """A batch could not be executed: finish its requests with an error."""
         requests = [self.requests[e.request_id] for e in batch.requests if e.request_id in self.requests]

@@ -82,6 +82,13 @@ class Executor(abc.ABC):
         """Activation bytes each stage has sent to the next one, by pp rank (the last sends none)."""
         return self.collective_rpc("activation_bytes_sent")
 
+    can_recover = False  # whether ``recover`` can replace lost stages (the Ray executor's can)
+
+    def recover(self, timeout_s: float) -> dict[str, float]:
+        """Replace the stages that are gone within ``timeout_s``; seconds per phase. Executors whose stages
+        live in the engine's own process cannot (their loss is the engine's)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replace lost stages")
+
     def check_health(self) -> None:
         """Raise an error naming the stage and host if a stage is gone; called while a step is pending."""
 

@@ -79,11 +79,13 @@ class CompiledPipeline:
             else:
                 future.set_result(value)
 
-    def teardown(self) -> None:
+    def teardown(self, kill_actors: bool = True) -> None:
+        """Stop the graph; ``kill_actors=False`` keeps the stage actors (replacing a lost one: the others
+        serve the next graph)."""
         self._pending.put(None)
         try:
-            self.graph.teardown(kill_actors=True)
-        except Exception:  # the actors are killed by the executor anyway
+            self.graph.teardown(kill_actors=kill_actors)
+        except Exception:  # a dead actor's channels; the executor kills what it must anyway
             pass
 
 

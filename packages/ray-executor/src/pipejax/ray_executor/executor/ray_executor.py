@@ -8,6 +8,7 @@ with several batches submitted, stage 0 runs batch k+1 while stage 1 runs batch 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,6 +22,7 @@ from pipejax.ray_executor.executor.ray_placement import (
     connect,
     create_placement_group,
     launch_stages,
+    replace_stage,
     stage_units,
 )
 from pipejax.ray_executor.platforms import current_platform
@@ -28,11 +30,17 @@ from pipejax.runner.batch import ModelBatch, SamplerOutput
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 10.0
+HEALTH_TIMEOUT_S = 5.0  # a stage that does not answer a ping (its health thread) within this is lost
+REPLACE_RETRY_S = 1.0  # between tries to start a lost stage's replacement while its host is not yet marked dead
 
 
 class StageFailedError(RuntimeError):
     """A stage's actor died or raised; names the stage and its host."""
+
+
+class RecoveryFailedError(RuntimeError):
+    """Lost stages could not be replaced (no node with the resources within the recovery timeout, or the
+    replacement failed to start); names the stages and what was tried."""
 
 
 class RayExecutor(Executor):
@@ -42,6 +50,7 @@ class RayExecutor(Executor):
         par, settings = config.parallel, config.ray
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         platform = current_platform(config.platform_plugin)
+        self.platform = platform
         self._started_ray = connect(settings.address, platform, pp * tp, settings.device_resource)
         self.units = stage_units(platform, pp, tp, settings.device_resource)
         self._own_pg = placement_group is None
@@ -51,7 +60,7 @@ class RayExecutor(Executor):
                                cpus_for=self._stage_cpus if settings.pin_stage_cpus else None,
                                platform_plugin=config.platform_plugin)
         self.actors, self.placement = stages.actors, stages.placement
-        addresses = ray.get(
+        self.addresses: list[str] = ray.get(
             [
                 a.init_worker.remote(config.worker_config(rank), self.placement[rank]["ip"], self._name(rank))
                 for rank, a in enumerate(self.actors)
@@ -59,7 +68,7 @@ class RayExecutor(Executor):
             timeout=timeout,
         )
         ray.get(
-            [self.actors[r].connect_previous.remote(addresses[r - 1], self._name(r - 1)) for r in range(1, pp)],
+            [self.actors[r].connect_previous.remote(self.addresses[r - 1], self._name(r - 1)) for r in range(1, pp)],
             timeout=timeout,
         )
         self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
@@ -150,6 +159,104 @@ class RayExecutor(Executor):
                 ) from None
             except ray.exceptions.RayError as exc:
                 raise StageFailedError(f"{self._name(rank)} is gone: {type(exc).__name__}: {exc}") from None
+
+    # --- recovery ----------------------------------------------------------------------------
+
+    can_recover = True
+
+    def lost_stages(self) -> list[int]:
+        """The ranks whose stage is gone: its node is dead in Ray's view, its actor died, or its health thread
+        did not answer a ping within ``HEALTH_TIMEOUT_S`` (a host cut off, a frozen process)."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        pings = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=HEALTH_TIMEOUT_S)
+        lost = []
+        for rank, ping in enumerate(pings):
+            if self.placement[rank]["node_id"] not in alive or ping not in ready:
+                lost.append(rank)
+                continue
+            try:
+                ray.get(ping, timeout=0)
+            except ray.exceptions.RayError:
+                lost.append(rank)
+        return lost
+
+    def recover(self, timeout_s: float) -> dict[str, float]:
+        """Replace every lost stage (``lost_stages``) and reconnect the pipeline; the live stages keep their
+        process, weights and compiled programs. Every step in flight is lost: the engine re-runs its requests.
+        Returns seconds per phase ("find": which stages are lost, "drain": the live stages' queued steps,
+        "place": the replacements started where Ray put their bundles, "load": their weights and KV cache,
+        "connect": the transport relinked); raises ``RecoveryFailedError`` where a
+        stage cannot be replaced within ``timeout_s``, and ``StageFailedError`` where no stage is lost (a step
+        that failed on live stages is not a host's loss)."""
+        deadline = time.monotonic() + timeout_s
+        phases: dict[str, float] = {}
+        mark = time.monotonic()
+        if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
+            self.pipeline.teardown(kill_actors=False)
+            self.pipeline = None
+        lost = self.lost_stages()
+        phases["find"], mark = time.monotonic() - mark, time.monotonic()
+        if not lost:
+            raise StageFailedError("a step failed but every stage answers: no stage is lost, so none is replaced")
+        names = [self._name(r) for r in lost]
+        log.warning("recovering: replacing %s", "; ".join(names))
+        for rank in lost:
+            ray.kill(self.actors[rank], no_restart=True)
+        live = [r for r in range(len(self.actors)) if r not in lost]
+        # A live stage after a lost one may be waiting for activations that will never come: end those waits,
+        # then let every live stage run out the steps still queued on it.
+        ray.get([self.actors[r].abort_receives.remote() for r in live if r - 1 in lost], timeout=HEALTH_TIMEOUT_S)
+        try:
+            ray.get([self.actors[r].drained.remote() for r in live], timeout=self._left(deadline))
+        except ray.exceptions.GetTimeoutError:
+            raise RecoveryFailedError(f"live stages did not finish their queued steps within {timeout_s:.0f}s "
+                                      f"while replacing {'; '.join(names)}") from None
+        phases["drain"], mark = time.monotonic() - mark, time.monotonic()
+        for rank in lost:
+            others = [p for r, p in enumerate(self.placement) if r not in lost or r < rank]
+            self.actors[rank], self.placement[rank] = self._replace(rank, others, names[lost.index(rank)], deadline,
+                                                                     timeout_s)
+        phases["place"], mark = time.monotonic() - mark, time.monotonic()
+        addresses = ray.get([self.actors[r].init_worker.remote(self.config.worker_config(r), self.placement[r]["ip"],
+                                                               self._name(r)) for r in lost],
+                            timeout=self._left(deadline))
+        for rank, address in zip(lost, addresses, strict=True):
+            self.addresses[rank] = address
+        ray.get([self.actors[r].call.remote("load", self.num_kv_blocks) for r in lost], timeout=self._left(deadline))
+        phases["load"], mark = time.monotonic() - mark, time.monotonic()
+        relinked = sorted({r for r in lost if r > 0} | {r + 1 for r in lost if r + 1 < len(self.actors)})
+        ray.get([self.actors[r].connect_previous.remote(self.addresses[r - 1], self._name(r - 1)) for r in relinked],
+                timeout=self._left(deadline))
+        phases["connect"] = time.monotonic() - mark
+        log.warning("recovered: %s", "; ".join(self._name(r) for r in lost))
+        return phases
+
+    def _replace(self, rank: int, others: list[dict], name: str, deadline: float, timeout_s: float):
+        """A new actor and placement for the lost stage ``rank``. Until Ray marks a lost host dead, its bundle
+        stays there and a replacement started in it dies with the host: such tries are repeated (every
+        ``REPLACE_RETRY_S``) until the bundle moves to a live node or ``deadline`` passes."""
+        while True:
+            try:
+                return replace_stage(self.platform, self.pg, rank, self.placement[rank], others,
+                                     self.config.parallel.tensor_parallel_size, self.units, self._left(deadline),
+                                     self.config.platform_plugin)
+            except ray.exceptions.GetTimeoutError:
+                break
+            except ray.exceptions.RayActorError as exc:
+                log.info("a replacement for %s did not start (%s); trying again", name, type(exc).__name__)
+                if time.monotonic() + REPLACE_RETRY_S >= deadline:
+                    break
+                time.sleep(REPLACE_RETRY_S)
+        raise RecoveryFailedError(
+            f"no node could take {name} within {timeout_s:.0f}s: the placement group's bundle "
+            f"{self.placement[rank]['bundle']} ({self.units.per_stage} '{self.units.resource}') was not placed "
+            f"again; add a node with those resources or bring the host back"
+        )
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(0.1, deadline - time.monotonic())
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         # Plain mode queues the call behind the submitted steps; in compiled-graph mode the graph runs on

@@ -184,24 +184,15 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
     environment from its own host: the host detected on that node (or, failing that, as that Ray node
     lists it), the chips Ray granted it. ``cpus_for(actors, placement)`` may give each its cores;
     ``platform_plugin`` (``EngineConfig.platform_plugin``) picks each actor's platform as the driver's."""
-    actor_class = ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
-    actors = [
-        actor_class.options(
-            num_cpus=0,
-            resources={units.resource: units.per_stage},
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            runtime_env={"env_vars": base_environment()},
-        ).remote()
-        for i in range(pp)
-    ]
+    actors = [_stage_actor(pg, i, units) for i in range(pp)]
     try:
         reports = ray.get([a.host_report.remote(platform_plugin) for a in actors], timeout=timeout_s)
         # Re-rank by where the actors landed: creation order is never trusted.
         records = [WorkerRecord(r["node_id"], r["ip"], n) for n, r in enumerate(reports)]
         ranked = rank_workers(records, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
         actors = [actors[r.record.creation_index] for r in ranked]
-        placement = [{**reports[r.record.creation_index], "local_rank": r.local_rank,
-                      "local_world_size": r.local_world_size} for r in ranked]
+        placement = [{**reports[r.record.creation_index], "bundle": r.record.creation_index,
+                      "local_rank": r.local_rank, "local_world_size": r.local_world_size} for r in ranked]
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
         passed = driver_variables()
         for rank, p in enumerate(placement):  # the platform decides per host
@@ -216,6 +207,42 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
             ray.kill(actor, no_restart=True)
         raise
     return StageGroup(actors, placement)
+
+
+def _stage_actor(pg: PlacementGroup, bundle: int, units: StageUnits):
+    """A stage actor (JAX not loaded yet) in ``pg``'s bundle ``bundle``; Ray starts it once the bundle is placed."""
+    actor_class = ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
+    return actor_class.options(
+        num_cpus=0,
+        resources={units.resource: units.per_stage},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+        runtime_env={"env_vars": base_environment()},
+    ).remote()
+
+
+def replace_stage(platform, pg: PlacementGroup, rank: int, lost: dict, others: list[dict], tp: int,
+                  units: StageUnits, timeout_s: float, platform_plugin: str | None = None) -> tuple[Any, dict]:
+    """A new actor for the stage of ``rank`` whose actor (placement ``lost``) is gone: in the same bundle of
+    ``pg``, which Ray keeps on the same node while it lives and re-places on another node with the resources
+    when it died (waiting up to ``timeout_s`` for one). Its environment comes from its own host, as at launch;
+    on a node shared with the live stages (``others``' placements) it takes the first box of devices they leave.
+    Returns the actor (JAX not loaded yet) and its placement."""
+    actor = _stage_actor(pg, lost["bundle"], units)
+    try:
+        report = ray.get(actor.host_report.remote(platform_plugin), timeout=timeout_s)
+        taken = {p["local_rank"] for p in others if p["node_id"] == report["node_id"]}
+        local_rank = min(set(range(len(taken) + 1)) - taken)
+        p = {**report, "bundle": lost["bundle"], "local_rank": local_rank,
+             "local_world_size": max(len(taken) + 1, local_rank + 1)}
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+        p["hardware"] = _stage_host(platform, p, resources.get(p["node_id"], {}), units, rank)
+        p["chips"] = _stage_chips(platform, p, tp, units)
+        p["env"] = {**driver_variables(), **NOSET_TPU_ENV, **platform.stage_environment(p["hardware"], p["chips"], tp)}
+        ray.get(actor.set_environment.remote(p["env"], None), timeout=timeout_s)
+    except BaseException:
+        ray.kill(actor, no_restart=True)
+        raise
+    return actor, p
 
 
 def _stage_host(platform, p: dict, node_resources: dict, units: StageUnits, rank: int):

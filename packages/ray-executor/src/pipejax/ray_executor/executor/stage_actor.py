@@ -89,9 +89,20 @@ class StageActor:
         """This stage's node in the compiled graph (see compiled_graph.py)."""
         return execute_step(self, incoming, self.name)
 
+    def drained(self) -> bool:
+        """Answers once every call queued before it has run (the executor waits for a stage's stale steps)."""
+        return True
+
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
+
+    @ray.method(concurrency_group="health")
+    def abort_receives(self) -> None:
+        """While a step runs: its wait for the previous stage's activations (and every later one) fails at once,
+        until ``connect_previous`` (the previous stage is being replaced)."""
+        if self.transport is not None:
+            self.transport.abort_receives()
 
 
 def _log_to_stderr() -> None:

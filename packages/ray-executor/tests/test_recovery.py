@@ -1,0 +1,139 @@
+"""Healing: a stage whose actor or host is lost is replaced through Ray and the requests in flight are
+prefilled again; every output equals the same run without the failure (greedy). Real Ray clusters of simulated
+nodes (``ray.cluster_utils.Cluster``); the multi-host variants on network namespaces are in ``multihost/``."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+from test_ray_executor import start_cluster, stop_cluster
+
+from pipejax.ray_executor import LLM, SamplingParams
+from pipejax.ray_executor.engine.engine import EngineDeadError
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [f"prompt {i} " * (1 + i % 5) for i in range(64)]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def _llm(**kw) -> LLM:
+    return LLM("builtin", pipeline_parallel_size=2, tensor_parallel_size=2, distributed_executor_backend="ray",
+               num_kv_blocks=512, warmup=False, **kw)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _generate_killing(llm: LLM, rank: int) -> tuple[list[list[int]], dict]:
+    """``LLM.generate`` over PROMPTS while the process of stage ``rank`` is killed (SIGKILL) once the requests
+    have a few tokens each; the outputs, and the victim's placement."""
+    engine = llm.engine
+    victim = dict(engine.executor.placement[rank])
+
+    def kill_mid_run():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(len(r.output_token_ids) >= 3 for r in
+                                                      list(engine.scheduler.running)):
+            time.sleep(0.005)
+        os.kill(victim["pid"], signal.SIGKILL)  # a stage actor this test's cluster started
+
+    killer = threading.Thread(target=kill_mid_run)
+    killer.start()
+    outputs = _generate(llm)
+    killer.join(timeout=130)
+    return outputs, victim
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-graph"])
+def test_a_killed_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
+    cluster = start_cluster([2, 2])
+    try:
+        llm = _llm(ray_compiled_graph=compiled)
+        clean = _generate(llm)
+        engine = llm.engine
+        for n, rank in enumerate((1, 0) if not compiled else (1,), start=1):
+            outputs, victim = _generate_killing(llm, rank)
+            assert outputs == clean, f"outputs differ after stage {rank} was replaced"
+            stats = engine.recovery
+            assert stats.recoveries == n and stats.requests_moved > 0
+            now = engine.executor.placement[rank]
+            assert now["pid"] != victim["pid"] and now["node_id"] == victim["node_id"]  # its host stayed up
+            print(f"stage {rank} killed ({'compiled graph' if compiled else 'plain'}): recovered in "
+                  f"{stats.last_phases['total']:.1f}s {stats.last_phases}")
+        if compiled:
+            assert engine.executor.pipeline is not None  # the graph was rebuilt over the new actor
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+
+
+def _start_losing_host(cluster, nodes, llm: LLM, rank: int, max_tokens: int = 200):
+    """Requests under way (a few steps run), then the node holding stage ``rank`` removed (its raylet and
+    processes killed); returns the request ids, the victim's placement and when the node was removed."""
+    engine = llm.engine
+    victim = dict(engine.executor.placement[rank])
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"host-loss-{time.monotonic_ns()}-{i}" for i in range(len(PROMPTS[:16]))]
+    for rid, prompt in zip(ids, PROMPTS[:16], strict=True):
+        engine.add_request(rid, prompt, params)
+    for _ in range(6):
+        engine.step()
+    node = next(n for n in nodes if n.node_id == victim["node_id"])
+    cluster.remove_node(node, allow_graceful=False)
+    nodes.remove(node)
+    return ids, victim, time.monotonic()
+
+
+def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one():
+    """Three nodes of two devices, pp=2 x tp=2: one is a spare. Its host lost, stage 1 moves to the spare and
+    the requests finish as without the loss; with that host lost too, nothing can take the stage: the requests
+    fail within the recovery timeout, with the error naming the stage and what to add."""
+    cluster = start_cluster([2, 2, 2])
+    nodes = list(cluster.worker_nodes)
+    try:
+        llm = _llm(recovery_timeout=15)
+        engine = llm.engine
+        clean = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:16], SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True))]
+        ids, victim, lost_at = _start_losing_host(cluster, nodes, llm, rank=1)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert [done[i] for i in ids] == clean
+        assert engine.recovery.recoveries == 1
+        moved_to = engine.executor.placement[1]["node_id"]
+        assert moved_to != victim["node_id"] and moved_to in {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len({p["node_id"] for p in engine.executor.placement}) == 2
+        print(f"host of stage 1 lost: recovered in {engine.recovery.last_phases['total']:.1f}s "
+              f"{engine.recovery.last_phases}; all done {time.monotonic() - lost_at:.1f}s after the loss")
+
+        # the head node (where this driver runs) is never removed: lose the host of the stage that is elsewhere
+        workers = {n.node_id for n in nodes}
+        rank = next(r for r, p in enumerate(engine.executor.placement) if p["node_id"] in workers)
+        ids, victim, lost_at = _start_losing_host(cluster, nodes, llm, rank=rank)
+        with pytest.raises(EngineDeadError, match=rf"recovery failed: RecoveryFailedError: no node could take "
+                                                  rf"stage {rank} .* within 15s") as err:
+            while engine.has_unfinished_requests():
+                engine.step()
+        waited = time.monotonic() - lost_at
+        assert waited < 15 + 30, waited  # detection + the recovery timeout, never a hang
+        failed = {o.request_id: o.outputs[0] for o in err.value.failed_outputs}
+        assert set(ids) <= set(failed) and all(failed[i].finish_reason == "error" for i in ids)
+        llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+
+
+def test_recovery_settings_are_checked():
+    from pipejax.ray_executor.engine_args import engine_config
+
+    with pytest.raises(ValueError, match=r"recovery='maybe'; use 'on' or 'off'"):
+        engine_config("builtin", recovery="maybe")
+    with pytest.raises(ValueError, match=r"recovery_timeout=0.*> 0"):
+        engine_config("builtin", recovery_timeout=0)
+    assert engine_config("builtin").recovery and not engine_config("builtin", recovery="off").recovery
