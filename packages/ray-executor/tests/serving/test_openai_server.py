@@ -246,6 +246,75 @@ def test_bench_serve_reports_the_usual_figures(server, tmp_path):
     assert figures["completed"] == 16 and figures["total_output_tokens"] == 16 * 8
 
 
+def _descendant_pids(name_prefix: str) -> list[int]:
+    """PIDs of this test's descendants (its Ray cluster's processes) whose title starts with ``name_prefix``."""
+    parents, titles = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                titles[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    mine = []
+    for pid, title in titles.items():
+        ancestor = parents.get(pid)
+        while ancestor and ancestor != os.getpid():
+            ancestor = parents.get(ancestor)
+        if ancestor == os.getpid() and title.startswith(name_prefix):
+            mine.append(pid)
+    return sorted(mine)
+
+
+def test_a_stage_killed_mid_stream_heals_and_no_stream_sees_it(server):
+    """16 greedy streams of 64 tokens; one stage actor is killed (SIGKILL) while they run. Its engine replaces
+    the stage and prefills its requests again: every stream completes with no error, token for token the text
+    of the same requests run before without a failure; /metrics counts the recovery, /health is ok again."""
+    prompts = [f"stream {i} goes on" for i in range(16)]
+    chunks = [0] * len(prompts)  # per stream: the kill waits until every one is under way on both engines
+
+    async def stream(client, i, prompt):
+        text, tokens = "", 0
+        async for chunk in await client.completions.create(
+                model="builtin", prompt=prompt, max_tokens=64, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                chunks[i] += 1
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens
+
+    async def run(kill: bool):
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        tasks = [asyncio.create_task(stream(client, i, p)) for i, p in enumerate(prompts)]
+        if kill:
+            chunks[:] = [0] * len(prompts)
+            while min(chunks) < 3:
+                await asyncio.sleep(0.01)
+            victims = _descendant_pids("ray::StageActor")
+            assert len(victims) == 4, victims  # 2 engines x pp 2
+            os.kill(victims[0], signal.SIGKILL)  # a stage actor process of this test's server
+        return await asyncio.gather(*tasks)
+
+    clean = asyncio.run(run(kill=False))
+    start = time.monotonic()
+    healed = asyncio.run(run(kill=True))
+    print(f"16 streams with a stage killed mid-way: {time.monotonic() - start:.1f}s")
+    assert healed == clean and all(tokens == 64 for _, tokens in healed)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    recoveries = sum(float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith("pipejax:engine_recoveries_total{"))
+    moved = sum(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("pipejax:requests_moved_total{"))
+    assert recoveries == 1 and moved >= 1, text
+    status, body = health(server)
+    assert status == 200 and body["status"] == "ok" and sum(e["recoveries"] for e in body["engines"]) == 1
+
+
 def test_engine_killed_fails_its_requests_and_the_other_keeps_serving(server):
     """Runs last: SIGKILL engine 1's core process with requests in flight on both engines."""
     victim = health(server)[1]["engines"][1]

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 
-from pipejax.ray_executor.engine.engine import EngineDeadError
+from pipejax.ray_executor.engine.engine import EngineDeadError, RecoveryStats
 from pipejax.ray_executor.engine.request import RequestDelta
 from pipejax.ray_executor.serving.addresses import DPAddresses
 from pipejax.ray_executor.serving.client import DPClient, RequestFailed
@@ -63,6 +63,12 @@ class FakeEngine:
         self.sent: dict[str, tuple[int, int]] = {}  # request id -> tokens, characters in earlier deltas
         self.aborted: list[str] = []
         self.fail_next = False
+        self.recovery = RecoveryStats(recoveries=1, requests_moved=3, seconds=2.5)
+        self.recovering = False
+        self.stage_checks = 0  # check_stages() calls: an idle engine proves its stages answer
+
+    def check_stages(self):
+        self.stage_checks += 1
 
     def add_request(self, rid, prompt, params):
         if not prompt["prompt_token_ids"]:
@@ -182,6 +188,9 @@ def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
         assert core.engine.aborted == ["long"]
         load = _recv(stats, msgspec.msgpack.Decoder(EngineStats).decode)
         assert load.engine_index == 3 and load.dead is None
+        h = load.health  # the engine's healing so far and its proof of life ride the heartbeat
+        assert (h.recoveries, h.requests_moved, h.recovery_seconds, h.recovering) == (1, 3, 2.5, False)
+        assert 0 <= h.proven_age_s < 5
 
         core.engine.fail_next = True
         send(RequestType.ADD, EngineCoreRequest("doomed", [1], SamplingParams(max_tokens=50)))
@@ -308,3 +317,19 @@ def test_engines_sharing_a_host_share_its_kv_budget():
     assert engines_sharing_hosts([{"a", "b"}, {"b"}, {"c"}]) == [2, 2, 1]  # a stage on b shares b
     config = with_engines_on_host(EngineConfig(ModelSource("m")), 2)
     assert config.cache.engines_on_host == 2 and config.worker_config(0).cache.engines_on_host == 2
+
+
+def test_an_idle_engine_checks_its_stages(monkeypatch):
+    """With nothing to run, the loop asks the engine to check its stages every IDLE_CHECK_S (a lost one is
+    healed then, not at the next request) and counts that as proof of life."""
+    from pipejax.ray_executor.serving import engine_core
+
+    monkeypatch.setattr(engine_core, "IDLE_CHECK_S", 0.2)
+    with running_core(FakeCore, 0, warmup=False) as (core, router, pull, stats, result):
+        assert router.poll(5000)
+        router.recv_multipart()
+        deadline = time.monotonic() + 10
+        while core.engine.stage_checks < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.engine.stage_checks >= 2
+        assert _recv(stats, msgspec.msgpack.Decoder(EngineStats).decode).health.proven_age_s < 2

@@ -88,6 +88,7 @@ class LLMEngine:
         )
         self.dead: EngineDeadError | None = None
         self.recovery = RecoveryStats()
+        self.recovering = False  # a lost stage is being replaced (read by serving's stats thread)
         self._in_flight: deque[tuple[ModelBatch, Future[SamplerOutput]]] = deque()
         # (time, batches in flight) after each submit, for the last ``config.step_trace_len`` submits
         self.in_flight_trace: deque[tuple[float, int]] = deque(maxlen=config.step_trace_len)
@@ -175,6 +176,26 @@ class LLMEngine:
             return []
         return self.scheduler.update(batch, output)
 
+    def heal(self, exc: Exception) -> None:
+        """Work between steps (a warm-up shape, a stage check) failed with ``exc``: recover as a failed step
+        would (nothing is in flight), or die naming it where recovery is off or fails."""
+        if self.dead is not None:
+            raise self.dead
+        if not (self.config.recovery and self.executor.can_recover):
+            self._die(exc)
+        self._recover(exc)
+
+    def check_stages(self) -> None:
+        """Between steps, nothing in flight (an idle server's probe): a stage lost meanwhile is replaced now,
+        not when the next request arrives; with recovery off, the engine dies now, naming it."""
+        if self.dead is not None:
+            raise self.dead
+        if self._in_flight:
+            return
+        lost = self.executor.lost_stages()
+        if lost:
+            self.heal(RuntimeError(f"stage(s) {lost} found lost between steps"))
+
     def _recover(self, exc: Exception) -> None:
         """A stage was lost: pause (every batch in flight is dropped, its requests keep the tokens they have and
         wait to be prefilled again: nothing a client received is taken back), let the executor replace the
@@ -185,10 +206,13 @@ class LLMEngine:
         self._in_flight.clear()
         moved = self.scheduler.preempt_all()
         log.warning("a stage was lost (%s); %d requests wait to be prefilled again", reason.splitlines()[0], moved)
+        self.recovering = True
         try:
             phases = self.executor.recover(self.config.recovery_timeout_s)
         except Exception as failure:  # noqa: BLE001 - the engine dies naming both
             self._die(RuntimeError(f"{reason}; recovery failed: {type(failure).__name__}: {failure}"))
+        finally:
+            self.recovering = False
         seconds = time.monotonic() - start
         self.recovery.recoveries += 1
         self.recovery.requests_moved += moved

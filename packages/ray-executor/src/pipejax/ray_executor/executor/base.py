@@ -84,6 +84,10 @@ class Executor(abc.ABC):
 
     can_recover = False  # whether ``recover`` can replace lost stages (the Ray executor's can)
 
+    def lost_stages(self) -> list[int]:
+        """The ranks of stages that are gone (none where stages live in the engine's process)."""
+        return []
+
     def recover(self, timeout_s: float) -> dict[str, float]:
         """Replace the stages that are gone within ``timeout_s``; seconds per phase. Executors whose stages
         live in the engine's own process cannot (their loss is the engine's)."""

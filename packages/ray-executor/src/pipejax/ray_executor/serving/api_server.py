@@ -66,6 +66,7 @@ def build_app(config: FrontendConfig) -> FastAPI:
     async def metrics() -> Response:
         c = frontend.client
         frontend.metrics.set_engine_load(c.counts, set(c.engines), set(c.dead))
+        frontend.metrics.set_engine_health(c.health)
         return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -23,6 +23,7 @@ from pipejax.ray_executor.serving.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineHealth,
     EngineInfo,
     LoadUpdate,
     RequestType,
@@ -57,6 +58,7 @@ class DPClient:
         self.engines: dict[int, EngineInfo] = {}  # engines that announced themselves
         self.dead: dict[int, str] = {}
         self.counts = [[0, 0] for _ in range(dp_size)]  # [waiting, running] per engine, as last known
+        self.health: dict[int, EngineHealth] = {}  # per engine, as last known (the coordinator's)
         self.routed = [0] * dp_size  # requests this server sent to each engine (tests, metrics)
         self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
         self._round_robin = itertools.count()
@@ -244,6 +246,7 @@ class DPClient:
                 self._engine_died(index, reason)
             if len(update.counts) == self.dp_size:
                 self.counts = [list(c) for c in update.counts]
+            self.health = dict(update.health)
 
 
 def _ignore_result(future) -> None:

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 
 from pipejax.ray_executor.serving.addresses import DPAddresses
-from pipejax.ray_executor.serving.protocol import EngineStats, LoadUpdate
+from pipejax.ray_executor.serving.protocol import EngineHealth, EngineStats, LoadUpdate
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class DPCoordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.counts = [[0, 0] for _ in range(dp_size)]
         self.dead: dict[int, str] = {}
+        self.health: dict[int, EngineHealth] = {}
         self._last_seen: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -84,7 +85,7 @@ class DPCoordinator:
                         self._record(stats)
                 self._check_heartbeats()
                 with self._lock:
-                    update = LoadUpdate([list(c) for c in self.counts], dict(self.dead))
+                    update = LoadUpdate([list(c) for c in self.counts], dict(self.dead), dict(self.health))
                 now = time.monotonic()
                 changed = update != published
                 if (changed and now - last_publish >= PUBLISH_MIN_S) or now - last_publish >= PUBLISH_MAX_S:
@@ -102,6 +103,8 @@ class DPCoordinator:
         with self._lock:
             self._last_seen[stats.engine_index] = time.monotonic()
             self.counts[stats.engine_index] = [stats.waiting, stats.running]
+            if stats.health is not None:
+                self.health[stats.engine_index] = stats.health
         if stats.dead:
             self.mark_dead(stats.engine_index, stats.dead)
 

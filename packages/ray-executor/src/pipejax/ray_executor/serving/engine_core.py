@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from pipejax.ray_executor.serving.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineHealth,
     EngineInfo,
     EngineStats,
     Logprob,
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle engine waits for a message before looking at its stop flag
+IDLE_CHECK_S = 10.0  # how often an idle engine checks that its stages answer (and heals a lost one)
 SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last outputs
 
 
@@ -63,6 +66,7 @@ class EngineCore:
         self.on_engine_built = on_engine_built
         self._clients: dict[str, int] = {}  # request id -> API server index
         self._warmup_left: list = []  # warm-up batches not yet run (``_warm_up_one``)
+        self.proven_at = time.monotonic()  # when the engine last finished a step or found its stages answering
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest).decode
         self._decode_abort = msgspec.msgpack.Decoder(list[str]).decode
@@ -114,7 +118,10 @@ class EngineCore:
         """Compile one more common shape, between requests: the engine answers its first request without
         waiting for every bucket, and a request's own new shape compiles when it comes (the runner logs it)."""
         batch = self._warmup_left.pop(0)
-        self.engine.executor.warmup_one(batch)
+        try:
+            self.engine.executor.warmup_one(batch)
+        except Exception as exc:  # noqa: BLE001 - a stage lost meanwhile: healed (or the engine dies, named)
+            self.engine.heal(exc)
         if not self._warmup_left:
             log.info("engine %d: warm-up done (%d step shapes compiled on stage 0)", self.index,
                      self.engine.executor.collective_rpc("num_compiled_shapes")[0])
@@ -139,15 +146,29 @@ class EngineCore:
             if self.stop_event.is_set():
                 continue
             if not self.engine.has_unfinished_requests():
-                if self._warmup_left:
-                    self._warm_up_one()
+                try:
+                    if self._warmup_left:
+                        self._warm_up_one()
+                        self.proven_at = time.monotonic()
+                    elif time.monotonic() - self.proven_at >= IDLE_CHECK_S:
+                        self.engine.check_stages()
+                        self.proven_at = time.monotonic()
+                except EngineDeadError as exc:
+                    return self._die(exc)
                 continue
             try:
                 outputs = self.engine.step_deltas()
             except EngineDeadError as exc:
                 return self._die(exc)
+            self.proven_at = time.monotonic()
             self._send(outputs)
         return "stopped"
+
+    def health(self) -> EngineHealth:
+        """What the stats thread reports besides the load (read from the engine loop's thread: plain fields)."""
+        r = self.engine.recovery
+        return EngineHealth(time.monotonic() - self.proven_at, self.engine.recovering, r.recoveries,
+                            r.requests_moved, r.seconds)
 
     def _die(self, exc: EngineDeadError) -> str:
         """The executor failed: fail every request with an error naming this engine, say so, stop."""
@@ -240,7 +261,7 @@ class EngineCore:
         try:
             while True:
                 sched = self.engine.scheduler
-                stats = EngineStats(self.index, len(sched.waiting), len(sched.running), self.dead)
+                stats = EngineStats(self.index, len(sched.waiting), len(sched.running), self.dead, self.health())
                 try:
                     push.send(self._encoder.encode(stats), zmq.NOBLOCK)
                 except zmq.Again:

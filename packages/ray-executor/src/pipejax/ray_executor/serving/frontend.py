@@ -25,6 +25,10 @@ from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
 
+# An engine that has neither finished a step nor checked its stages for this long (and is not healing) fails
+# /health: its loop is stuck (an idle engine checks every ``engine_core.IDLE_CHECK_S``).
+PROVEN_WITHIN_S = 60.0
+
 
 @dataclasses.dataclass(frozen=True)
 class FrontendConfig:
@@ -189,18 +193,32 @@ class Frontend:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def health(self) -> tuple[int, dict]:
+        """200 while every engine proves it can step (it finished a step, or found its stages answering, within
+        ``PROVEN_WITHIN_S``) or is healing a lost stage ("degraded" then); 503 naming the engines that cannot."""
         c = self.client
-        engines = []
+        engines, failing, recovering = [], [], []
         for index in range(c.dp_size):
-            info = c.engines.get(index)
+            info, h = c.engines.get(index), c.health.get(index)
+            stale = h is not None and not h.recovering and h.proven_age_s > PROVEN_WITHIN_S
+            error = c.dead.get(index) or (f"{c.describe(index)} has not stepped nor checked its stages for "
+                                          f"{h.proven_age_s:.0f}s" if stale else None)
+            if error:
+                failing.append(error)
+            elif h is not None and h.recovering:
+                recovering.append(index)
             engines.append({
-                "index": index, "alive": info is not None and index not in c.dead,
+                "index": index, "alive": info is not None and not error,
                 "host": info.host if info else None, "node_id": info.node_id if info else None,
                 "pid": info.pid if info else None, "waiting": c.counts[index][0], "running": c.counts[index][1],
-                "routed": c.routed[index], "error": c.dead.get(index),
+                "routed": c.routed[index], "error": error,
+                "recovering": bool(h and h.recovering), "recoveries": h.recoveries if h else 0,
+                "proven_s_ago": round(h.proven_age_s, 1) if h else None,
             })
-        status = "ok" if not c.dead else ("degraded" if len(c.dead) < c.dp_size else "dead")
+        if not failing:
+            status = "degraded" if recovering else "ok"
+        else:
+            status = "degraded" if len(failing) < c.dp_size else "dead"
         body = {"status": status, "api_server": self.config.client_index, "engines": engines}
-        if c.dead:
-            body["error"] = "; ".join(c.dead[i] for i in sorted(c.dead))
-        return (200 if not c.dead else 503), body
+        if failing:
+            body["error"] = "; ".join(failing)
+        return (200 if not failing else 503), body

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -37,8 +38,14 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pipejax:inter_token_latency_seconds", "Time between two outputs of a request", engine,
                              buckets=LATENCY_BUCKETS, registry=r)
+        self._health = _HealingCollector()
+        r.register(self._health)
         self.e2e = Histogram("pipejax:e2e_request_latency_seconds", "Request latency, arrival to last token", engine,
                              buckets=LATENCY_BUCKETS, registry=r)
+
+    def set_engine_health(self, health: dict) -> None:
+        """Each engine's ``EngineHealth`` as last known (the coordinator's: the same in every API server)."""
+        self._health.health = dict(health)
 
     def set_engine_load(self, counts: list[list[int]], ready: set[int], dead: set[int]) -> None:
         for index, (waiting, running) in enumerate(counts):
@@ -52,5 +59,31 @@ class ServerMetrics:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
+            registry.register(self._health)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+class _HealingCollector:
+    """The engines' own cumulative healing figures, exported as counters (they count in the engine, so every
+    API server reports the same value rather than a share to be summed)."""
+
+    def __init__(self):
+        self.health: dict = {}
+
+    def collect(self):
+        recoveries = CounterMetricFamily("pipejax:engine_recoveries", "Lost stages healed (recoveries done)",
+                                         labels=["engine"])
+        moved = CounterMetricFamily("pipejax:requests_moved", "Requests in flight requeued to be prefilled again "
+                                    "by a recovery", labels=["engine"])
+        seconds = CounterMetricFamily("pipejax:recovery_seconds", "Seconds spent recovering (detection to the "
+                                      "pipeline relinked)", labels=["engine"])
+        recovering = GaugeMetricFamily("pipejax:engine_recovering", "1 while an engine replaces a lost stage",
+                                       labels=["engine"])
+        for index, h in sorted(self.health.items()):
+            label = [str(index)]
+            recoveries.add_metric(label, h.recoveries)
+            moved.add_metric(label, h.requests_moved)
+            seconds.add_metric(label, h.recovery_seconds)
+            recovering.add_metric(label, 1 if h.recovering else 0)
+        return [recoveries, moved, seconds, recovering]

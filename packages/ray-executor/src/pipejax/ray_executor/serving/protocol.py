@@ -81,6 +81,17 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
         return f"data-parallel engine {self.index} (host {self.host}, node {self.node_id[:8]}, pid {self.pid})"
 
 
+class EngineHealth(msgspec.Struct, array_like=True, gc=False):
+    """An engine's proof of life and its healing so far (``LLMEngine.recovery``): ``proven_age_s`` is the time
+    since it last finished a step or found every stage answering (an idle engine checks them)."""
+
+    proven_age_s: float = 0.0
+    recovering: bool = False
+    recoveries: int = 0
+    requests_moved: int = 0
+    recovery_seconds: float = 0.0
+
+
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
     """Engine -> coordinator, every ``STATS_INTERVAL_S``: load, and a heartbeat."""
 
@@ -88,6 +99,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     waiting: int
     running: int
     dead: str | None = None  # the cause, once the engine has failed
+    health: EngineHealth | None = None
 
 
 class LoadUpdate(msgspec.Struct, array_like=True, gc=False):
@@ -98,6 +110,7 @@ class LoadUpdate(msgspec.Struct, array_like=True, gc=False):
 
     counts: list[list[int]]
     dead: dict[int, str] = {}
+    health: dict[int, EngineHealth] = {}
 
 
 STATS_INTERVAL_S = 0.1
