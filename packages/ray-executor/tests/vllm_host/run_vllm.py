@@ -38,6 +38,8 @@ def run_vllm(spec: dict) -> dict:
         seed=0,
     )
     try:
+        if "kill_stage" in spec:
+            return _kill_stage_while_generating(llm, spec)
         params = vllm.SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
         outputs = []
         for batch in spec["batches"]:
@@ -46,9 +48,40 @@ def run_vllm(spec: dict) -> dict:
         stats = llm.collective_rpc("pipejax_stats")
         return {"outputs": outputs, "stats": stats}
     finally:
-        llm.llm_engine.engine_core.shutdown()  # before Ray goes: the engine core still uses the cluster
+        try:
+            llm.llm_engine.engine_core.shutdown()  # before Ray goes: the engine core still uses the cluster
+        except Exception:  # noqa: BLE001 - an engine killed by the test is already gone
+            pass
         if ray is not None:
             ray.shutdown()
+
+
+def _kill_stage_while_generating(llm, spec: dict) -> dict:
+    """SIGKILL the worker process of pipeline stage ``spec["kill_stage"]`` while a long generate runs; what the
+    generate raised, and how long after the kill."""
+    import signal
+    import threading
+    import time
+
+    import vllm
+
+    victim = next(s for s in llm.collective_rpc("pipejax_stats") if s["pp_rank"] == spec["kill_stage"])
+    params = vllm.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    killed = {}
+
+    def kill():
+        time.sleep(spec.get("kill_after_s", 2.0))
+        killed["at"] = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)  # a worker process this run's engine started
+
+    threading.Thread(target=kill, daemon=True).start()
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in spec["batches"][0]] * 4, params, use_tqdm=False)
+        outcome = {"error": None}
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = {"error": type(e).__name__, "module": type(e).__module__, "message": str(e)[:500]}
+    outcome["seconds_after_kill"] = time.monotonic() - killed["at"] if "at" in killed else None
+    return outcome
 
 
 if __name__ == "__main__":

@@ -118,6 +118,19 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
         assert all(s["activation_bytes_sent"] > 0 for s in stats[:-1])
 
 
+@pytest.mark.parametrize(("backend", "rank"), [("mp", 1), ("ray", 0)])
+def test_a_lost_stage_surfaces_as_vllms_engine_dead_error_within_10s(checkpoints, backend, rank):
+    """Under vLLM as the host vLLM owns the engine's life (no healing): a pipejax stage whose process is killed
+    mid-generate ends the run with vLLM's own EngineDeadError within 10 s, never a hang."""
+    path, _, _ = checkpoints("LlamaForCausalLM")
+    spec = {"model": path, "pp": 2, "tp": 1, "backend": backend, "batches": workload(), "max_tokens": MAX_TOKENS,
+            "kill_stage": rank}
+    got = run_engine(spec, timeout=300)
+    print(f"vLLM ({backend}), stage {rank} killed: {got['error']} after {got['seconds_after_kill']:.1f}s")
+    assert got["error"] == "EngineDeadError" and got["module"].startswith("vllm"), got
+    assert got["seconds_after_kill"] < 10, got
+
+
 # --- the server ---------------------------------------------------------------------------------
 
 
