@@ -6,7 +6,8 @@ driver (run_multihost.py) runs inside pj-h0 and serves pp=3 x tp=2: the ranks mu
 pj-h0 (the driver's node), pj-h2, pj-h1 (then by IP, numerically: .9 before .100, which neither
 creation order nor string order gives). Outputs must equal the in-process executor's. Then the
 host of stage 1 is lost (link cut, every process killed by PID) while requests are in flight, and
-the engine must raise an error naming stage 1 and its host within 30 s. Needs root; run by the
+the engine (no host spare) must raise an error naming stage 1, its host and that no node could take it
+within its recovery timeout (15 s) + 30 s. Needs root; run by the
 nox session ``multihost``; skipped with the reason where namespaces cannot be made.
 """
 

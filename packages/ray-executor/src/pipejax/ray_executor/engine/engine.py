@@ -42,6 +42,7 @@ class RecoveryStats:
     requests_moved: int = 0
     seconds: float = 0.0
     last_phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_started: float = 0.0  # time.monotonic() when the last recovery began (its loss was detected)
 
 
 class StepTimeout(RuntimeError):
@@ -218,6 +219,7 @@ class LLMEngine:
         self.recovery.requests_moved += moved
         self.recovery.seconds += seconds
         self.recovery.last_phases = {**phases, "total": seconds}
+        self.recovery.last_started = start
         log.warning("recovered in %.1fs (%s); %d requests resume", seconds,
                     ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), moved)
 
