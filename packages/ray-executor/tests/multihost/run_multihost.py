@@ -45,6 +45,8 @@ def parse_args(argv=None):
     ap.add_argument("--detect-limit-s", type=float, default=30.0, help="on top of --recovery-timeout")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--ray-compiled-graph", action="store_true", help="the stages in a Ray Compiled Graph")
+    ap.add_argument("--spare", action="store_true",
+                    help="a host is spare: the lost stage must move there and every request finish as without the loss")
     return ap.parse_args(argv)
 
 
@@ -149,7 +151,9 @@ def main() -> int:
               "" if outputs == expected else f"got {outputs}, want {expected}")
 
         # 3. Lose the host of one stage while requests are in flight.
-        if ARGS.victim_rank >= 0:
+        if ARGS.victim_rank >= 0 and ARGS.spare:
+            heal_onto_a_spare(llm, ARGS.victim_rank, workdir, check, summary)
+        elif ARGS.victim_rank >= 0:
             lose_a_host(llm, ARGS.victim_rank, workdir, check, summary)
     except Exception as exc:  # a crash is a failed check, and still gives a summary
         traceback.print_exc()
@@ -173,6 +177,58 @@ def main() -> int:
     return 0 if summary["ok"] else 1
 
 
+def _request_kill(workdir: Path, victim: dict, rank: int, check: Checks) -> float | None:
+    """Ask the orchestrator to lose ``victim``'s host; the time.time() at which it began (None: it did not)."""
+    write_atomically(workdir / "kill_request.json", {"rank": rank, "ip": victim["ip"], "host": victim["host"]})
+    killed_file = workdir / "killed.json"
+    deadline = time.monotonic() + 120
+    while not killed_file.exists():
+        if time.monotonic() > deadline:
+            check("the orchestrator killed the host", False, "no killed.json within 120 s")
+            return None
+        time.sleep(0.05)
+    return json.loads(killed_file.read_text())["time"]
+
+
+def heal_onto_a_spare(llm, rank: int, workdir: Path, check: Checks, summary: dict) -> None:
+    """Requests in flight, the host of stage ``rank`` lost, a host spare: the engine moves the stage there and
+    every request finishes with the tokens of the same requests run before without the loss."""
+    engine = llm.engine
+    victim = dict(engine.executor.placement[rank])
+    long = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    prompts = [f"request {i} across hosts" for i in range(8)]
+    clean = [o.outputs[0].token_ids for o in llm.generate(prompts, long)]
+    ids = [f"healed-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, long)
+    for _ in range(6):
+        engine.step()
+    killed_at = _request_kill(workdir, victim, rank, check)
+    if killed_at is None:
+        return
+    done, first_after = {}, None
+    try:
+        while engine.has_unfinished_requests() and time.time() - killed_at < 180:
+            for out in engine.step():
+                if first_after is None and engine.recovery.recoveries:
+                    first_after = time.time() - killed_at
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    except EngineDeadError as exc:
+        check("the engine heals instead of failing", False, str(exc)[-600:])
+        return
+    summary["timings"]["loss_to_next_token_s"] = round(first_after or -1, 2)
+    summary["timings"]["recovery"] = {k: round(v, 2) for k, v in engine.recovery.last_phases.items()}
+    now = engine.executor.placement[rank]
+    summary["healed_onto"] = now["host"]
+    check("one recovery", engine.recovery.recoveries == 1, str(engine.recovery))
+    check("the stage moved to the spare host", now["ip"] != victim["ip"], f"{victim['host']} -> {now['host']}")
+    check("every request finished as without the loss", [done.get(i) for i in ids] == clean,
+          f"{sum(done.get(i) == c for i, c in zip(ids, clean, strict=True))}/{len(ids)} equal")
+    check("the next token came within 30 s of the loss", first_after is not None and first_after < 30,
+          f"{first_after}")
+
+
 def lose_a_host(llm, rank: int, workdir: Path, check: Checks, summary: dict) -> None:
     engine = llm.engine
     victim = engine.executor.placement[rank]
@@ -182,15 +238,9 @@ def lose_a_host(llm, rank: int, workdir: Path, check: Checks, summary: dict) -> 
         engine.add_request(rid, f"request {rid}", long)
     for _ in range(6):
         engine.step()
-    write_atomically(workdir / "kill_request.json", {"rank": rank, "ip": victim["ip"], "host": victim["host"]})
-    killed_file = workdir / "killed.json"
-    deadline = time.monotonic() + 120
-    while not killed_file.exists():
-        if time.monotonic() > deadline:
-            check("the orchestrator killed the host", False, "no killed.json within 120 s")
-            return
-        time.sleep(0.05)
-    killed_at = json.loads(killed_file.read_text())["time"]
+    killed_at = _request_kill(workdir, victim, rank, check)
+    if killed_at is None:
+        return
     error = None
     try:
         while engine.has_unfinished_requests() and time.time() - killed_at < 120:

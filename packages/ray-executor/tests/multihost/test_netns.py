@@ -7,8 +7,10 @@ pj-h0 (the driver's node), pj-h2, pj-h1 (then by IP, numerically: .9 before .100
 creation order nor string order gives). Outputs must equal the in-process executor's. Then the
 host of stage 1 is lost (link cut, every process killed by PID) while requests are in flight, and
 the engine (no host spare) must raise an error naming stage 1, its host and that no node could take it
-within its recovery timeout (15 s) + 30 s. Needs root; run by the
-nox session ``multihost``; skipped with the reason where namespaces cannot be made.
+within its recovery timeout (15 s) + 30 s. A second test runs pp=2 x tp=2 on the same hosts, one of them
+spare, and loses the host of stage 1: the stage must move to the spare and every request finish as without
+the loss. Needs root; run by the nox session ``multihost``; skipped with the reason where namespaces cannot
+be made.
 """
 
 from __future__ import annotations
@@ -89,6 +91,14 @@ def test_engine_across_namespace_hosts(netns_available, teardown_on_sigterm, tmp
     run_and_check(tmp_path, HOSTS, pp=3, tp=2, expect_order=EXPECT_ORDER, victim_rank=VICTIM_RANK)
 
 
+def test_a_lost_host_heals_onto_a_spare(netns_available, teardown_on_sigterm, tmp_path):
+    """pp=2 x tp=2 over three namespace hosts of 2 devices: stage 0 on the head, stage 1 on one worker, the
+    other worker spare. With 8 requests in flight the host of stage 1 is lost (link cut, processes killed):
+    the engine moves the stage to the spare and every request finishes as without the loss."""
+    run_and_check(tmp_path, HOSTS, pp=2, tp=2, expect_order=[], victim_rank=1, extra_args=["--spare"],
+                  healed=True)
+
+
 @pytest.mark.extra
 def test_compiled_graph_with_several_stages_per_host(netns_available, teardown_on_sigterm, tmp_path):
     """pp=4 x tp=1 over two namespace hosts of 2 devices (two stages each, ranks h0, h0, h1, h1), the
@@ -100,7 +110,7 @@ def test_compiled_graph_with_several_stages_per_host(netns_available, teardown_o
 
 
 def run_and_check(tmp_path, host_specs, *, pp: int, tp: int, expect_order: list[str], victim_rank: int,
-                  extra_args: tuple[str, ...] = ()) -> None:
+                  extra_args: tuple[str, ...] = (), healed: bool = False) -> None:
     start = time.monotonic()
     log_path = tmp_path / "driver.log"
     with NetnsCluster(host_specs, prefix=PREFIX) as cluster:
@@ -109,7 +119,8 @@ def run_and_check(tmp_path, host_specs, *, pp: int, tp: int, expect_order: list[
         cmd = [
             sys.executable, str(HERE / "run_multihost.py"),
             "--hosts", json.dumps(hosts), "--workdir", str(tmp_path), "--pp", str(pp), "--tp", str(tp),
-            "--expect-order", ",".join(expect_order), "--victim-rank", str(victim_rank), *extra_args,
+            *(["--expect-order", ",".join(expect_order)] if expect_order else []), "--victim-rank", str(victim_rank),
+            *extra_args,
         ]  # fmt: skip
         rc, kill = drive(cluster, cmd, tmp_path, log_path)
         teardown_start = time.monotonic()
@@ -127,12 +138,17 @@ def run_and_check(tmp_path, host_specs, *, pp: int, tp: int, expect_order: list[
         "rank_hosts": summary.get("rank_hosts"),
         "kill": kill,
         "error": summary.get("error"),
+        "healed_onto": summary.get("healed_onto"),
     }
     print("multihost:", json.dumps(report))
     failed = {k: summary["notes"].get(k, "") for k, ok in summary["checks"].items() if not ok}
     assert rc == 0 and summary["ok"], f"failed checks: {failed} (rc {rc}); driver log:\n{log_text[-8000:]}"
-    assert summary["checks"].get("a lost host raises EngineDeadError"), "the lost-host phase did not run"
-    assert summary["rank_hosts"] == expect_order
+    if healed:
+        assert summary["checks"].get("every request finished as without the loss"), "the healing phase did not run"
+    else:
+        assert summary["checks"].get("a lost host raises EngineDeadError"), "the lost-host phase did not run"
+    if expect_order:
+        assert summary["rank_hosts"] == expect_order
     assert not leftovers(), f"teardown left: {leftovers()}"
 
 
