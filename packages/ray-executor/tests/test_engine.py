@@ -210,3 +210,27 @@ def test_layout_larger_than_devices():
     with pytest.raises(ValueError, match=fits):
         LLM("builtin", pipeline_parallel_size=4, tensor_parallel_size=4, warmup=False)
     assert len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=14, ignore_eos=True, logprobs=1),
+], ids=["greedy", "seeded-sampling"])
+def test_a_resumed_request_goes_on_where_it_stopped(llm_pp2, params):
+    """A request moved from a lost engine: given the tokens it had, it generates the rest exactly as the whole run
+    did (greedy and seeded sampling), sends only the rest, and its text joins the earlier text."""
+    engine = llm_pp2.engine
+    whole = llm_pp2.generate(["resume me, please"], params)[0].outputs[0]
+    cut = 5
+    earlier_text = engine.tokenizer.decode(whole.token_ids[:cut])
+    engine.add_request("resumed", "resume me, please", params, resume_token_ids=whole.token_ids[:cut])
+    tokens, text = [], earlier_text
+    while engine.has_unfinished_requests():
+        for d in engine.step_deltas():
+            tokens += d.new_token_ids
+            text = (text + d.new_text)[: d.text_len]
+            if d.new_logprobs is not None:
+                assert len(d.new_logprobs) == len(d.new_token_ids)
+    assert whole.token_ids[:cut] + tokens == whole.token_ids and text == whole.text
+    with pytest.raises(ValueError, match="already complete"):
+        engine.add_request("over", "resume me, please", params, resume_token_ids=whole.token_ids)

@@ -70,7 +70,7 @@ class FakeEngine:
     def check_stages(self):
         self.stage_checks += 1
 
-    def add_request(self, rid, prompt, params):
+    def add_request(self, rid, prompt, params, resume_token_ids=()):
         if not prompt["prompt_token_ids"]:
             raise ValueError(f"request {rid!r}: the prompt is empty")
         self.requests[rid] = (prompt["prompt_token_ids"], params, [])

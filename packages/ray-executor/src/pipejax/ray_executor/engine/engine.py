@@ -97,9 +97,12 @@ class LLMEngine:
     # --- requests ----------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | Sequence[int] | dict, sampling: SamplingParams | None = None
+        self, request_id: str, prompt: str | Sequence[int] | dict, sampling: SamplingParams | None = None,
+        resume_token_ids: Sequence[int] = (),
     ) -> None:
-        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing."""
+        """Validate and queue a request; a bad one raises ``ValueError`` and changes nothing.
+        ``resume_token_ids``: what the request generated on another engine that was lost (it goes on from there:
+        they are prefilled with the prompt and count as its output)."""
         if self.dead is not None:
             raise self.dead
         sampling = sampling or SamplingParams()
@@ -120,7 +123,12 @@ class LLMEngine:
             )
         room = self.max_model_len - len(token_ids)
         max_tokens = min(sampling.max_tokens or room, room)
+        if len(resume_token_ids) >= max_tokens:
+            raise ValueError(f"request {request_id!r}: resumes after {len(resume_token_ids)} tokens but may generate "
+                             f"only {max_tokens}: it was already complete")
         req = Request(request_id, token_ids, sampling, max_tokens, self.eos_token_ids, self.tokenizer, text)
+        if resume_token_ids:
+            req.resume([int(t) for t in resume_token_ids])
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

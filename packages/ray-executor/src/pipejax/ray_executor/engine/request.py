@@ -102,6 +102,16 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Tokens this request already generated on an engine that was lost: they count as its output (its
+        budget, penalties, seeds go on from them) and are not sent again; only what follows is."""
+        self.output_token_ids = list(token_ids)
+        if self.logprobs is not None:
+            self.logprobs = [None] * len(token_ids)  # the client has them already
+        if self._detok is not None:
+            self.text = self._detok.add(token_ids)
+        self._delta_tokens, self._delta_chars = len(self.output_token_ids), len(self.text)
+
     def append_token(self, token: int, logprobs: TokenLogprobs | None) -> None:
         """Record a sampled token and decide whether the request stops here."""
         self.output_token_ids.append(token)

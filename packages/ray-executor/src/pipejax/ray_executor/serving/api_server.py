@@ -344,8 +344,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_http(config: FrontendConfig, host: str, port: int) -> int:
-    """Run one API server until SIGINT/SIGTERM; 1 when it could not start (e.g. an engine never came up)."""
+def serve_http(config: FrontendConfig, host: str, port: int, stop_when: threading.Event | None = None) -> int:
+    """Run one API server until SIGINT/SIGTERM, or until ``stop_when`` is set; 1 when it could not start (e.g. an
+    engine never came up)."""
     app = build_app(config)
     sock = listening_socket(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30,
@@ -356,6 +357,9 @@ def serve_http(config: FrontendConfig, host: str, port: int) -> int:
         # uvicorn re-raises the signal that stopped it; the launcher still has engines to stop.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
+    if stop_when is not None:
+        threading.Thread(target=lambda: stop_when.wait() and setattr(server, "should_exit", True),
+                         name="api-stop-when", daemon=True).start()
     asyncio.run(server.serve(sockets=[sock]))
     return 0 if server.started else 1
 

@@ -9,10 +9,11 @@ server sent since the last update; ties broken round-robin). Every wait has a ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -59,6 +60,9 @@ class DPClient:
         self.dead: dict[int, str] = {}
         self.counts = [[0, 0] for _ in range(dp_size)]  # [waiting, running] per engine, as last known
         self.health: dict[int, EngineHealth] = {}  # per engine, as last known (the coordinator's)
+        self.migrate = True  # a request whose engine died goes on on a live one (``generate``)
+        self._announced_after_death: set[int] = set()  # dead engines whose rebuilt successor said READY
+        self.on_migrated: Callable[[int, int], None] | None = None  # (from engine, to engine), for metrics
         self.routed = [0] * dp_size  # requests this server sent to each engine (tests, metrics)
         self._streams: dict[str, tuple[asyncio.Queue, int]] = {}
         self._round_robin = itertools.count()
@@ -127,7 +131,7 @@ class DPClient:
 
     # --- routing and requests --------------------------------------------------------------------
 
-    def choose_engine(self, rank: int | None = None, requests: int = 1) -> int:
+    def choose_engine(self, rank: int | None = None, requests: int = 1, exclude: set[int] = frozenset()) -> int:
         if rank is not None:
             if not 0 <= rank < self.dp_size:
                 raise RequestFailed(f"data_parallel_rank={rank} is out of range; this server has "
@@ -136,7 +140,7 @@ class DPClient:
                 raise RequestFailed(f"data_parallel_rank={rank}: {self.dead[rank]}", "unavailable")
             best = rank
         else:
-            alive = [e for e in sorted(self.engines) if e not in self.dead]
+            alive = [e for e in sorted(self.engines) if e not in self.dead and e not in exclude]
             if not alive:
                 raise RequestFailed("no data-parallel engine is alive: " + "; ".join(self.dead.values()),
                                     "unavailable")
@@ -150,10 +154,39 @@ class DPClient:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, engine: int
     ) -> AsyncIterator[EngineCoreOutput]:
-        """Outputs of one (n = 1) request on ``engine`` until it finishes; leaving early aborts it."""
+        """Outputs of one (n = 1) request on ``engine`` until it finishes; leaving early aborts it. If that engine
+        dies, the request goes on on a live one (``migrate``): sent again with the tokens it has, which that
+        engine prefills with the prompt and does not send again; so the caller sees one unbroken stream."""
+        received: list[int] = []
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(request_id, prompt_token_ids, params, engine,
+                                                             received)) as attempt:
+                    async for item in attempt:
+                        received += item.new_token_ids
+                        yield item
+                return
+            except RequestFailed as exc:
+                if exc.kind != "engine_dead" or not self.migrate:
+                    raise
+                try:
+                    to = self.choose_engine(exclude={engine})
+                except RequestFailed:
+                    raise exc from None  # no live engine left: the original error
+                log.warning("API server %d: request %s moves from %s to %s after %d tokens (%s)", self.client_index,
+                            request_id, self.describe(engine), self.describe(to), len(received), exc)
+                if self.on_migrated is not None:
+                    self.on_migrated(engine, to)
+                engine = to
+
+    async def _attempt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, engine: int, resume: list[int]
+    ) -> AsyncIterator[EngineCoreOutput]:
+        """The request on ``engine`` (going on after ``resume``, its tokens so far) until it finishes."""
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (queue, engine)
-        request = EngineCoreRequest(request_id, prompt_token_ids, params, self.client_index, time.time())
+        request = EngineCoreRequest(request_id, prompt_token_ids, params, self.client_index, time.time(),
+                                    list(resume))
         finished = False
         try:
             if engine in self.dead:  # it died between routing and now
@@ -179,7 +212,8 @@ class DPClient:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id, (None,))[0] is queue:
+                self._streams.pop(request_id, None)
             if not finished and engine not in self.dead:
                 self._abort(engine, [request_id])
 
@@ -214,6 +248,8 @@ class DPClient:
                     if info.index != engine_index(identity) or not 0 <= info.index < self.dp_size:
                         raise ValueError(f"READY from identity {identity!r} claims engine {info.index}")
                     self.engines[info.index] = info
+                    if info.index in self.dead:  # rebuilt by the head: routed to once the coordinator agrees
+                        self._announced_after_death.add(info.index)
                     log.info("API server %d: %s ready; %s", self.client_index, info.describe(), info.kv_cache)
                     self._changed.set()
             except (ValueError, msgspec.DecodeError) as exc:
@@ -244,6 +280,11 @@ class DPClient:
                 continue
             for index, reason in update.dead.items():
                 self._engine_died(index, reason)
+            for index in self._announced_after_death - set(update.dead):
+                self._announced_after_death.discard(index)
+                self.dead.pop(index, None)
+                log.warning("API server %d: %s rejoined", self.client_index, self.describe(index))
+                self._changed.set()
             if len(update.counts) == self.dp_size:
                 self.counts = [list(c) for c in update.counts]
             self.health = dict(update.health)

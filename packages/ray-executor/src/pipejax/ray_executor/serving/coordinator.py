@@ -35,6 +35,7 @@ class DPCoordinator:
         self.counts = [[0, 0] for _ in range(dp_size)]
         self.dead: dict[int, str] = {}
         self.health: dict[int, EngineHealth] = {}
+        self.incarnation = [0] * dp_size  # the engine expected per rank (``expect``)
         self._last_seen: dict[int, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -53,6 +54,12 @@ class DPCoordinator:
             if index not in self.dead:
                 log.error("data-parallel engine %d died: %s", index, reason)
                 self.dead[index] = reason
+
+    def expect(self, index: int, incarnation: int) -> None:
+        """Engine ``index`` is being rebuilt as ``incarnation``: it stays dead (the API servers have moved its
+        requests) until that incarnation's first heartbeat; stats of older ones are ignored."""
+        with self._lock:
+            self.incarnation[index] = incarnation
 
     def stop(self) -> None:
         self._stop.set()
@@ -100,11 +107,17 @@ class DPCoordinator:
         if not 0 <= stats.engine_index < self.dp_size:
             log.warning("stats from unknown engine %d ignored", stats.engine_index)
             return
+        index = stats.engine_index
         with self._lock:
-            self._last_seen[stats.engine_index] = time.monotonic()
-            self.counts[stats.engine_index] = [stats.waiting, stats.running]
+            if stats.incarnation < self.incarnation[index]:
+                return  # a replaced engine's last words
+            if index in self.dead and stats.incarnation > 0 and not stats.dead:
+                log.warning("data-parallel engine %d is back (rebuilt, incarnation %d)", index, stats.incarnation)
+                self.dead.pop(index)
+            self._last_seen[index] = time.monotonic()
+            self.counts[index] = [stats.waiting, stats.running]
             if stats.health is not None:
-                self.health[stats.engine_index] = stats.health
+                self.health[index] = stats.health
         if stats.dead:
             self.mark_dead(stats.engine_index, stats.dead)
 

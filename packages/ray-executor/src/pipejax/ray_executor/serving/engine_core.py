@@ -51,10 +51,13 @@ SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last ou
 
 class EngineCore:
     def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
-                 node_id: str = "", placement_group=None, on_engine_built: Callable[[], None] | None = None):
+                 node_id: str = "", placement_group=None, on_engine_built: Callable[[], None] | None = None,
+                 incarnation: int = 0):
         """``placement_group``: the DP rank's group its stage actors go in (backend ``ray``);
-        ``on_engine_built``: called in ``run`` once the engine exists."""
+        ``on_engine_built``: called in ``run`` once the engine exists; ``incarnation``: how many times the head
+        rebuilt this rank before (its heartbeats say so)."""
         self.config = config
+        self.incarnation = incarnation
         self.placement_group = placement_group
         self.index = index
         self.addresses = addresses
@@ -214,7 +217,8 @@ class EngineCore:
 
     def _add(self, req: EngineCoreRequest) -> None:
         try:
-            self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.sampling_params)
+            self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.sampling_params,
+                                    req.resume_token_ids)
         except ValueError as exc:
             out = EngineCoreOutput(req.request_id, finish_reason="error", error=str(exc), error_kind="invalid_request")
             self._push(req.client_index, EngineCoreOutputs(self.index, [out]))
@@ -261,7 +265,8 @@ class EngineCore:
         try:
             while True:
                 sched = self.engine.scheduler
-                stats = EngineStats(self.index, len(sched.waiting), len(sched.running), self.dead, self.health())
+                stats = EngineStats(self.index, len(sched.waiting), len(sched.running), self.dead, self.health(),
+                                    self.incarnation)
                 try:
                     push.send(self._encoder.encode(stats), zmq.NOBLOCK)
                 except zmq.Again:
@@ -276,12 +281,13 @@ class EngineCoreActor:
     """The Ray actor body of one DP rank; ``stop`` runs in its own concurrency group while ``run`` loops."""
 
     def __init__(self, config: EngineConfig, index: int, addresses: DPAddresses, warmup: bool = True,
-                 placement_group=None):
+                 placement_group=None, incarnation: int = 0):
         import ray
 
         logging.basicConfig(level=logging.INFO)
         node_id = ray.get_runtime_context().get_node_id()
-        self.core = EngineCore(config, index, addresses, warmup, node_id=node_id, placement_group=placement_group)
+        self.core = EngineCore(config, index, addresses, warmup, node_id=node_id, placement_group=placement_group,
+                               incarnation=incarnation)
 
     def run(self) -> str:
         return self.core.run()

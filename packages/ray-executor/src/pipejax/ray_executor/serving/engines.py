@@ -37,6 +37,7 @@ from pipejax.ray_executor.serving.engine_core import EngineCoreActor, run_engine
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 15.0
+MAX_REBUILDS = 3  # times the head rebuilds one data-parallel engine that ended (RayEngines.rebuild)
 
 
 def engines_sharing_hosts(nodes_per_engine: list[set[str]]) -> list[int]:
@@ -92,6 +93,7 @@ class RayEngines:
         self._pending: dict = {}  # run() ref -> rank
         self._started_ray = False
         self.units = None  # ray_placement.StageUnits, once placed
+        self.rebuilds = [0] * dp_size  # engines rebuilt per rank (``rebuild``)
 
     def place(self) -> None:
         """Connect to Ray and reserve every rank's placement group (``groups``, ``nodes``, ``units``)."""
@@ -112,26 +114,46 @@ class RayEngines:
         self._check_reachable(head)
 
     def start(self) -> None:
+        self.place()
+        for rank in range(self.dp_size):
+            self.actors.append(self._engine_actor(rank))
+            self._pending[self.actors[rank].run.remote()] = rank
+        par = self.config.parallel
+        log.info("started %d engine-core actors (pp=%d x tp=%d each) on nodes %s", self.dp_size,
+                 par.pipeline_parallel_size, par.tensor_parallel_size, [n[:8] for n in self.nodes])
+
+    def _engine_actor(self, rank: int):
+        """Rank ``rank``'s engine-core actor, in bundle 0 of its placement group (its stages take the others)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from pipejax.ray_executor.executor.ray_placement import base_environment
 
-        self.place()
+        pg = self.groups[rank]
         actor_class = ray.remote(concurrency_groups={"control": 1})(EngineCoreActor)
-        for rank, pg in enumerate(self.groups):
-            actor = actor_class.options(
-                num_cpus=0,
-                name=f"pipejax-engine-{rank}-{pg.id.hex()[:8]}",
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-                runtime_env={"env_vars": base_environment()},
-            ).remote(with_engines_on_host(self.config, self.engines_on_host[rank]), rank, self.addresses, self.warmup,
-                     placement_group=pg)
-            self.actors.append(actor)
-            self._pending[actor.run.remote()] = rank
-        par = self.config.parallel
-        log.info("started %d engine-core actors (pp=%d x tp=%d each) on nodes %s", self.dp_size,
-                 par.pipeline_parallel_size, par.tensor_parallel_size, [n[:8] for n in self.nodes])
+        return actor_class.options(
+            num_cpus=0,
+            name=f"pipejax-engine-{rank}-{pg.id.hex()[:8]}-{time.time_ns()}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            runtime_env={"env_vars": base_environment()},
+        ).remote(with_engines_on_host(self.config, self.engines_on_host[rank]), rank, self.addresses, self.warmup,
+                 placement_group=pg, incarnation=self.rebuilds[rank])
+
+    def rebuild(self, rank: int) -> bool:
+        """After rank ``rank``'s engine ended: a new engine-core actor for it in the same placement group (Ray
+        moves the bundles of a dead node to a live one with the resources, else they wait for one), which
+        announces itself to the API servers when it is up. False once the rank was rebuilt ``MAX_REBUILDS`` times
+        (an engine that keeps dying is left dead)."""
+        import ray
+
+        if self.rebuilds[rank] >= MAX_REBUILDS:
+            return False
+        self.rebuilds[rank] += 1
+        ray.kill(self.actors[rank], no_restart=True)  # its stage actors go with it (it owns them)
+        self.actors[rank] = self._engine_actor(rank)
+        self._pending[self.actors[rank].run.remote()] = rank
+        log.warning("data-parallel engine %d: rebuilding it (%d of %d)", rank, self.rebuilds[rank], MAX_REBUILDS)
+        return True
 
     def _placement_group(self, rank: int, head: str, units):
         from ray.util.placement_group import placement_group
@@ -254,6 +276,10 @@ class ProcessEngines:
                 proc.start()
             self.procs[rank] = proc
         log.info("started engine processes %s", {r: p.pid for r, p in self.procs.items()})
+
+    def rebuild(self, rank: int) -> bool:
+        """Local engine processes are not rebuilt here (a supervisor restarts the server): always False."""
+        return False
 
     def poll_dead(self, timeout_s: float) -> dict[int, str]:
         alive = [p.sentinel for p in self.procs.values() if p.exitcode is None]

@@ -72,6 +72,7 @@ class Frontend:
         self.config = config
         self.client = DPClient(config.addresses, config.client_index, config.dp_size, config.output_timeout_s)
         self.metrics = ServerMetrics()
+        self.client.on_migrated = lambda lost, to: self.metrics.migrated.labels(str(lost)).inc()
         path = Path(config.model_path)
         self.tokenizer = Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
         self.started = time.time()

@@ -32,6 +32,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("pipejax:generation_tokens", "Tokens generated", engine, registry=r)
         self.requests = Counter("pipejax:request_success", "Finished requests by finish reason",
                                 engine + ["finished_reason"], registry=r)
+        self.migrated = Counter("pipejax:requests_migrated", "Requests moved to a live engine when theirs died "
+                                "(by the engine lost)", engine, registry=r)
         self.failed = Counter("pipejax:request_failure", "Requests that failed by kind", engine + ["kind"],
                               registry=r)
         self.ttft = Histogram("pipejax:time_to_first_token_seconds", "Time to first token", engine,

@@ -35,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params: SamplingParams  # n == 1: the API server fans n out into child requests
     client_index: int = 0  # which API server's PULL socket gets the outputs
     arrival_time: float = 0.0
+    resume_token_ids: list[int] = []  # generated on an engine that was lost: go on from there (not sent again)
 
 
 class Logprob(msgspec.Struct, array_like=True, gc=False):
@@ -100,6 +101,7 @@ class EngineStats(msgspec.Struct, array_like=True, gc=False):
     running: int
     dead: str | None = None  # the cause, once the engine has failed
     health: EngineHealth | None = None
+    incarnation: int = 0  # 0, then 1, 2, ... for each rebuild of this rank (older ones' stats are stale)
 
 
 class LoadUpdate(msgspec.Struct, array_like=True, gc=False):

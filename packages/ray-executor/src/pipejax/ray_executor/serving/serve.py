@@ -8,9 +8,12 @@ Life of the head process:
   4. the API server(s): in this process, or ``--api-server-count`` processes sharing the port;
   5. on SIGINT/SIGTERM (or when the API server fails to start): everything stopped, in reverse.
 
-An engine that dies fails its own in-flight requests (500 naming it) and leaves routing; the
-other engines keep serving; ``/health`` answers 503 naming it. With every engine dead, requests
-get 503 until the server is restarted.
+An engine that dies leaves routing; its in-flight requests go on on a live engine (the API server
+sends them again with the tokens they have), or fail (500 naming it) where none is left; ``/health``
+answers 503 naming it. With ``--recovery on`` (the default) and the Ray backend the head rebuilds it
+(``RayEngines.rebuild``, up to ``MAX_REBUILDS`` times): it rejoins routing once it announces itself.
+When no engine is left and none is being rebuilt the server stops and exits with status 3, so that a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pipejax.runner.default_model import DEFAULT_MODEL_NAME
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
+UNSERVABLE_EXIT = 3  # `pipejax serve`'s status once no engine can serve (a supervisor should restart it)
 
 
 def engine_config(args: argparse.Namespace):
@@ -108,8 +112,9 @@ def _run_head(args, config, addresses: DPAddresses) -> int:
         engines = RayEngines(config, dp, dpl, addresses, warmup=not args.no_warmup)
     else:
         engines = ProcessEngines(config, range(dpl if dpl is not None else dp), addresses, warmup=not args.no_warmup)
-    watching = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(engines, coordinator, watching), name="engine-watch", daemon=True)
+    watching, unservable = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_watch, args=(engines, coordinator, watching, unservable, config.recovery),
+                               name="engine-watch", daemon=True)
     try:
         engines.start()
         watcher.start()
@@ -118,7 +123,12 @@ def _run_head(args, config, addresses: DPAddresses) -> int:
             served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME, api_key=args.api_key,
             ready_timeout_s=args.engine_ready_timeout, output_timeout_s=args.request_timeout,
         )
-        return _run_api_servers(args, frontend)
+        code = _run_api_servers(args, frontend, unservable)
+        if unservable.is_set():
+            log.error("no data-parallel engine can serve (%s); exiting with status %d",
+                      "; ".join(coordinator.dead.values()), UNSERVABLE_EXIT)
+            return UNSERVABLE_EXIT
+        return code
     finally:
         watching.set()
         watcher.join(timeout=5)
@@ -126,18 +136,26 @@ def _run_head(args, config, addresses: DPAddresses) -> int:
         coordinator.stop()
 
 
-def _watch(engines, coordinator, stop: threading.Event) -> None:
+def _watch(engines, coordinator, stop: threading.Event, unservable: threading.Event, recovery: bool) -> None:
+    """Each engine that ends is marked dead (its requests move on, routing leaves it), then rebuilt where
+    ``recovery`` allows; once none is left, ``unservable`` is set (the server stops, exit status 3)."""
     while not stop.is_set():
         for rank, reason in engines.poll_dead(WATCH_INTERVAL_S).items():
-            if not stop.is_set():
-                coordinator.mark_dead(rank, reason)
+            if stop.is_set():
+                return
+            coordinator.mark_dead(rank, reason)
+            if recovery and engines.rebuild(rank):
+                coordinator.expect(rank, engines.rebuilds[rank])
+        if len(coordinator.dead) == coordinator.dp_size:
+            unservable.set()
+            return
 
 
-def _run_api_servers(args, frontend) -> int:
+def _run_api_servers(args, frontend, unservable: threading.Event) -> int:
     from pipejax.ray_executor.serving.api_server import api_server_process, serve_http
 
     if args.api_server_count == 1:
-        return serve_http(frontend, args.host, args.port)
+        return serve_http(frontend, args.host, args.port, stop_when=unservable)
     port = args.port or free_ports(args.host, 1)[0]
     metrics_dir = tempfile.mkdtemp(prefix="pipejax-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before the API server processes import prometheus
@@ -152,7 +170,7 @@ def _run_api_servers(args, frontend) -> int:
     log.info("%d API servers on http://%s:%d (pids %s)", len(procs), args.host, port, [p.pid for p in procs])
     stop = _stop_on_signals()
     try:
-        while not stop.is_set() and all(p.exitcode is None for p in procs):
+        while not stop.is_set() and not unservable.is_set() and all(p.exitcode is None for p in procs):
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=WATCH_INTERVAL_S)
     finally:
         for proc in procs:
