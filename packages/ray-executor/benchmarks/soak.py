@@ -8,6 +8,13 @@ RSS of the last minute minus the median of the first minute after ``--warmup-min
 every process grew by less than ``--limit-mb``.
 
     python packages/ray-executor/benchmarks/soak.py --minutes 20        # or: nox -s soak
+
+``--chaos-every-s 90`` makes it a chaos soak: a stage actor process is killed (SIGKILL) every 90 s, the load is
+greedy streams whose text must equal a reference taken before the first kill, and it passes only when no
+request failed or differed, every kill was healed (``/metrics``) and memory stayed flat as above (a replaced
+stage is a new process: it is measured from its start).
+
+    python packages/ray-executor/benchmarks/soak.py --minutes 15 --chaos-every-s 90   # or: nox -s soak -- ...
 """
 
 from __future__ import annotations
@@ -81,6 +88,68 @@ def role(pid: int, root: int) -> str | None:
     return None
 
 
+CHAOS_PROMPTS = 8  # distinct greedy prompts of the chaos load: each completion must equal its reference
+
+
+def chaos_prompt(i: int, input_len: int) -> list[int]:
+    return [1 + (i * 31 + j * 7) % 300 for j in range(input_len)]
+
+
+def streamed(client: httpx.Client, url: str, body: dict) -> str:
+    """A streamed completion's text, chunk after chunk as the client sees it; raises on an error event."""
+    text = ""
+    with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"/v1/completions answered {resp.status_code}: {resp.read()[:500]!r}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(f"an error event mid-stream: {event['error']}")
+            text += event["choices"][0]["text"]
+    return text
+
+
+def chaos_load(url: str, model: str, stop: threading.Event, counts: list[int], input_len: int, output_len: int,
+               reference: list[str], bad: list[str], seed: int) -> None:
+    """Greedy streams of the chaos prompts, round robin; a failure or a text unlike its reference is recorded."""
+    with httpx.Client(timeout=300) as client:
+        i = seed
+        while not stop.is_set():
+            k = i % CHAOS_PROMPTS
+            body = {"model": model, "prompt": chaos_prompt(k, input_len), "max_tokens": output_len,
+                    "ignore_eos": True, "temperature": 0}
+            try:
+                text = streamed(client, url, body)
+                if text != reference[k] and not stop.is_set():
+                    bad.append(f"prompt {k}: {len(text)} chars unlike the reference's {len(reference[k])}")
+            except Exception as exc:  # noqa: BLE001 - counted, the load goes on
+                if not stop.is_set():
+                    bad.append(f"prompt {k}: {type(exc).__name__}: {exc}"[:300])
+            counts[0] += 1
+            i += 1
+
+
+def chaos_monkey(server_pid: int, stop: threading.Event, every_s: float, kills: list[tuple[float, int]],
+                 start: float) -> None:
+    """Every ``every_s`` seconds, SIGKILL one of the server's stage actor processes (a descendant of the server
+    this script started), in turn."""
+    n = 0
+    while not stop.wait(every_s):
+        stages = sorted(pid for pid in descendants(server_pid) if role(pid, server_pid) == "stage")
+        if not stages:
+            continue
+        victim = stages[n % len(stages)]
+        n += 1
+        try:
+            os.kill(victim, signal.SIGKILL)
+            kills.append((time.monotonic() - start, victim))
+            print(f"chaos: killed stage actor pid {victim}", flush=True)
+        except ProcessLookupError:
+            pass
+
+
 def load(url: str, model: str, stop: threading.Event, counts: list[int], input_len: int, output_len: int) -> None:
     prompt = [1 + (i * 7) % 300 for i in range(input_len)]  # within the built-in model's 320-token vocabulary
     with httpx.Client(timeout=120) as client:
@@ -103,6 +172,9 @@ def main() -> int:
     p.add_argument("--interval", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--limit-mb", type=float, default=20.0)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--chaos-every-s", type=float, default=0.0,
+                   help="kill a stage actor process this often (0: never); the load is then greedy streams whose "
+                        "text must equal a reference taken before, and no request may fail")
     p.add_argument("serve_args", nargs="*", default=None,
                    help="`pipejax serve` arguments (default: --model builtin -pp 2 --distributed-executor-backend ray)")
     args = p.parse_args()
@@ -126,14 +198,26 @@ def main() -> int:
                 raise SystemExit("`pipejax serve` was not healthy within 900 s")
             time.sleep(2)
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        stop, counts = threading.Event(), [0]
-        clients = [threading.Thread(target=load, args=(url, model, stop, counts, args.input_len, args.output_len),
-                                    daemon=True) for _ in range(args.concurrency)]
+        stop, counts, bad, kills = threading.Event(), [0], [], []
+        if args.chaos_every_s:
+            with httpx.Client(timeout=300) as client:
+                reference = [streamed(client, url, {"model": model, "prompt": chaos_prompt(k, args.input_len),
+                                                    "max_tokens": args.output_len, "ignore_eos": True,
+                                                    "temperature": 0}) for k in range(CHAOS_PROMPTS)]
+            clients = [threading.Thread(target=chaos_load, args=(url, model, stop, counts, args.input_len,
+                                                                  args.output_len, reference, bad, c), daemon=True)
+                       for c in range(args.concurrency)]
+        else:
+            clients = [threading.Thread(target=load, args=(url, model, stop, counts, args.input_len, args.output_len),
+                                        daemon=True) for _ in range(args.concurrency)]
         for t in clients:
             t.start()
         samples: dict[int, list[tuple[float, int]]] = {}
         roles: dict[int, str] = {}
         start, started_at = time.monotonic(), time.time()
+        if args.chaos_every_s:
+            threading.Thread(target=chaos_monkey, args=(server.pid, stop, args.chaos_every_s, kills, start),
+                             daemon=True).start()
         while (elapsed := time.monotonic() - start) < args.minutes * 60:
             for pid in [server.pid, *descendants(server.pid)]:
                 kind = roles.get(pid) or role(pid, server.pid)
@@ -148,7 +232,19 @@ def main() -> int:
             time.sleep(args.interval)
         stop.set()
         stages = [pid for pid, kind in roles.items() if kind == "stage"]
-        return report(samples, roles, args, counts[0], serve_args, stage_compiles(stages, started_at))
+        code = report(samples, roles, args, counts[0], serve_args, stage_compiles(stages, started_at))
+        if args.chaos_every_s:
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            recoveries = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                             if line.startswith("pipejax:engine_recoveries_total{"))
+            print(f"chaos: {len(kills)} stage actors killed (every {args.chaos_every_s:g} s), {recoveries:.0f} "
+                  f"recoveries, {counts[0]} greedy streams, {len(bad)} failed or unlike their reference")
+            for line in bad[:10]:
+                print(f"  {line}")
+            ok = not bad and recoveries >= len(kills) > 0
+            print(f"{'PASS' if ok else 'FAIL'}: no request failed or differed, every kill healed")
+            code = code or (0 if ok else 1)
+        return code
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
