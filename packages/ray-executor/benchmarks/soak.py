@@ -234,9 +234,12 @@ def main() -> int:
         stages = [pid for pid, kind in roles.items() if kind == "stage"]
         code = report(samples, roles, args, counts[0], serve_args, stage_compiles(stages, started_at))
         if args.chaos_every_s:
-            metrics = httpx.get(f"{url}/metrics", timeout=10).text
-            recoveries = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                             if line.startswith("pipejax:engine_recoveries_total{"))
+            recoveries, deadline = 0.0, time.monotonic() + 120  # a kill at the very end heals after the load
+            while recoveries < len(kills) and time.monotonic() < deadline:
+                metrics = httpx.get(f"{url}/metrics", timeout=10).text
+                recoveries = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                 if line.startswith("pipejax:engine_recoveries_total{"))
+                time.sleep(0 if recoveries >= len(kills) else 2)
             print(f"chaos: {len(kills)} stage actors killed (every {args.chaos_every_s:g} s), {recoveries:.0f} "
                   f"recoveries, {counts[0]} greedy streams, {len(bad)} failed or unlike their reference")
             for line in bad[:10]:
