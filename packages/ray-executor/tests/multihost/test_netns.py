@@ -100,6 +100,18 @@ def test_a_lost_host_heals_onto_a_spare(netns_available, teardown_on_sigterm, tm
 
 
 @pytest.mark.extra
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-graph"])
+def test_stage0_host_lost_heals_onto_a_spare(netns_available, teardown_on_sigterm, tmp_path, compiled):
+    """A head without devices (the driver alone) and three workers of 2 devices, pp=2 x tp=2: stage 0's host is
+    lost with 8 requests in flight, the stage moves to the spare worker, every request finishes as without the
+    loss; in plain and compiled-graph mode. (``nox -s multihost_extra``)"""
+    hosts = [HostSpec("10.213.0.50", 0), HostSpec("10.213.0.100", 2), HostSpec("10.213.0.9", 2),
+             HostSpec("10.213.0.77", 2)]
+    run_and_check(tmp_path, hosts, pp=2, tp=2, expect_order=[], victim_rank=0, healed=True,
+                  extra_args=["--spare", *(["--ray-compiled-graph"] if compiled else [])])
+
+
+@pytest.mark.extra
 def test_compiled_graph_with_several_stages_per_host(netns_available, teardown_on_sigterm, tmp_path):
     """pp=4 x tp=1 over two namespace hosts of 2 devices (two stages each, ranks h0, h0, h1, h1), the
     stages in a Ray Compiled Graph; the host of stages 2 and 3 is lost with requests in flight: the
