@@ -130,7 +130,7 @@ def serve_defaults(session: nox.Session) -> None:
 
 @nox.session
 def multihost(session: nox.Session) -> None:
-    """The Ray executor across network-namespace hosts, each its own IP; a lost host healed (root; ~3 min)."""
+    """The Ray executor across network-namespace hosts, each its own IP; a lost host healed (root; 3 min in CI)."""
     _install_layer(session, "ray-executor", None, LAZY_BYTECODE)  # no torch/transformers: it compares with itself
     session.install(LAZY_BYTECODE, "-c", CONSTRAINTS, "pytest", "pytest-timeout")
     session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", "-m", "not extra", *session.posargs, env=MULTIHOST_ENV)
@@ -138,7 +138,7 @@ def multihost(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def multihost_extra(session: nox.Session) -> None:
-    """More namespace hosts (root; ~6 min): compiled graph, stages per host, stage 0's host lost, DP serve."""
+    """More namespace hosts (root): compiled graph, stages per host, stage 0's host lost, DP serve."""
     _install_layer(session, "ray-executor", None, LAZY_BYTECODE)
     session.install(LAZY_BYTECODE, "-c", CONSTRAINTS, "pytest", "pytest-timeout")
     session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", "-m", "extra", *session.posargs, env=MULTIHOST_ENV)

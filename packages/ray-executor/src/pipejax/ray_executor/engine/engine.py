@@ -179,15 +179,13 @@ class LLMEngine:
             output = self._wait(batch, future)
         except Exception as exc:
             self._in_flight.appendleft((batch, future))
-            if not (self.config.recovery and self.executor.can_recover):
-                self._die(exc)
-            self._recover(exc)
+            self.heal(exc)
             return []
         return self.scheduler.update(batch, output)
 
     def heal(self, exc: Exception) -> None:
-        """Work between steps (a warm-up shape, a stage check) failed with ``exc``: recover as a failed step
-        would (nothing is in flight), or die naming it where recovery is off or fails."""
+        """A step, or work between steps (a warm-up shape, a stage check), failed with ``exc``: recover (every
+        batch in flight is dropped), or die naming it where recovery is off or fails."""
         if self.dead is not None:
             raise self.dead
         if not (self.config.recovery and self.executor.can_recover):

@@ -132,20 +132,15 @@ class Scheduler:
         """Every batch in flight is lost (a stage was): each unfinished request keeps its prompt and the tokens
         it generated, drops its KV blocks and waits at the front of the queue, in its order, to be prefilled
         again; a request aborted while in flight is released. Returns how many requests were preempted."""
-        requeued = []
-        for req in list(self.running):
+        moved = 0
+        for req in reversed(list(self.running)):  # newest first: each goes to the front, so the oldest leads
             req.in_flight = False
             if req.finished:
                 self._release(req)
-                continue
-            self.blocks.free(req.block_ids)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-            requeued.append(req)
-        self.running = []
-        self.waiting.extendleft(reversed(requeued))
-        self.num_preemptions += len(requeued)
-        return len(requeued)
+            else:
+                self._preempt(req)
+                moved += 1
+        return moved
 
     def fail(self, batch: ModelBatch, reason: str) -> list[Request]:
         """A batch could not be executed: finish its requests with an error."""

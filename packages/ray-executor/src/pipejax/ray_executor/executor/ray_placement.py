@@ -194,11 +194,8 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
         placement = [{**reports[r.record.creation_index], "bundle": r.record.creation_index,
                       "local_rank": r.local_rank, "local_world_size": r.local_world_size} for r in ranked]
         resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
-        passed = driver_variables()
         for rank, p in enumerate(placement):  # the platform decides per host
-            p["hardware"] = _stage_host(platform, p, resources.get(p["node_id"], {}), units, rank)
-            p["chips"] = _stage_chips(platform, p, tp, units)
-            p["env"] = {**passed, **NOSET_TPU_ENV, **platform.stage_environment(p["hardware"], p["chips"], tp)}
+            _plan_on_host(platform, p, resources.get(p["node_id"], {}), units, tp, rank)
         cpus = cpus_for(actors, placement) if cpus_for else [None] * pp
         ray.get([a.set_environment.remote(p["env"], c) for a, p, c in zip(actors, placement, cpus, strict=True)],
                 timeout=timeout_s)
@@ -232,17 +229,22 @@ def replace_stage(platform, pg: PlacementGroup, rank: int, lost: dict, others: l
         report = ray.get(actor.host_report.remote(platform_plugin), timeout=timeout_s)
         taken = {p["local_rank"] for p in others if p["node_id"] == report["node_id"]}
         local_rank = min(set(range(len(taken) + 1)) - taken)
-        p = {**report, "bundle": lost["bundle"], "local_rank": local_rank,
-             "local_world_size": max(len(taken) + 1, local_rank + 1)}
-        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
-        p["hardware"] = _stage_host(platform, p, resources.get(p["node_id"], {}), units, rank)
-        p["chips"] = _stage_chips(platform, p, tp, units)
-        p["env"] = {**driver_variables(), **NOSET_TPU_ENV, **platform.stage_environment(p["hardware"], p["chips"], tp)}
+        p = {**report, "bundle": lost["bundle"], "local_rank": local_rank, "local_world_size": len(taken) + 1}
+        resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == p["node_id"]), {})
+        _plan_on_host(platform, p, resources, units, tp, rank)
         ray.get(actor.set_environment.remote(p["env"], None), timeout=timeout_s)
     except BaseException:
         ray.kill(actor, no_restart=True)
         raise
     return actor, p
+
+
+def _plan_on_host(platform, p: dict, node_resources: dict, units: StageUnits, tp: int, rank: int) -> None:
+    """Fill placement ``p`` of stage ``rank`` with what its own host decides: its hardware, its chips (or box of
+    simulated devices) and the environment the stage starts JAX with."""
+    p["hardware"] = _stage_host(platform, p, node_resources, units, rank)
+    p["chips"] = _stage_chips(platform, p, tp, units)
+    p["env"] = {**driver_variables(), **NOSET_TPU_ENV, **platform.stage_environment(p["hardware"], p["chips"], tp)}
 
 
 def _stage_host(platform, p: dict, node_resources: dict, units: StageUnits, rank: int):

@@ -31,6 +31,7 @@ from pipejax.pp_utils import TP_AXIS
 from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.model import decode_attention
 
+KERNEL = "pipejax.runner.cpu.decode_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_paged_decode_attention"
 
 
@@ -43,7 +44,7 @@ def available() -> bool:
 def _handler() -> Any:
     """Build and register the handler once (cached: it lives as long as the process); None (with a warning)
     where numba cannot build it."""
-    return build_and_register(TARGET, "pipejax.runner.cpu.decode_kernel", "decode-attention", "XLA's formulation")
+    return build_and_register(TARGET, KERNEL, "decode-attention", "XLA's formulation")
 
 
 def prepare() -> bool:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from pipejax.runner.cpu.build import build_and_register
 
+KERNEL = "pipejax.runner.cpu.dense_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_panel_matmul"
 
 
@@ -30,7 +31,7 @@ TARGET = "pipejax_panel_matmul"
 def _handler() -> Any:
     """Build and register the handler once (cached: it lives as long as the process); None (with a warning)
     where numba cannot build it."""
-    return build_and_register(TARGET, "pipejax.runner.cpu.dense_kernel", "dense-matmul", "XLA's dot")
+    return build_and_register(TARGET, KERNEL, "dense-matmul", "XLA's dot")
 
 
 def prepare() -> bool:

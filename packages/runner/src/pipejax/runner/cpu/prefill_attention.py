@@ -28,6 +28,7 @@ from pipejax.runner.cpu import decode_attention as cpu_decode_attention
 from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.model import PANEL, prefill_attention
 
+KERNEL = "pipejax.runner.cpu.prefill_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_paged_prefill_attention"
 
 
@@ -35,7 +36,7 @@ TARGET = "pipejax_paged_prefill_attention"
 def _handler() -> Any:
     """Build and register the handler once (it lives as long as the process); None (with a warning) where numba
     cannot build it."""
-    return build_and_register(TARGET, "pipejax.runner.cpu.prefill_kernel", "prefill-attention", "XLA's formulation")
+    return build_and_register(TARGET, KERNEL, "prefill-attention", "XLA's formulation")
 
 
 def prepare() -> bool:

@@ -248,28 +248,22 @@ def measure(shapes: dict[str, int], names: tuple[str, ...]) -> dict[str, dict]:
     return out
 
 
-KERNEL_MODULES = {"dense_matmuls": "pipejax.runner.cpu.dense_kernel",
-                  "decode_attention": "pipejax.runner.cpu.decode_kernel",
-                  "prefill_attention": "pipejax.runner.cpu.prefill_kernel"}
-
-
 def build_all(names: tuple[str, ...]) -> None:
     """Build (or load from numba's cache) the kernels of ``names`` before any probe is timed: those not in the
     cache compile at once, the first here and the others in child processes (``build.fill_cache_alongside``),
     so a fresh install waits for its slowest kernel rather than for their sum."""
     from pipejax.runner.cpu import build, decode_attention, dense, prefill_attention
 
-    prepare = {"dense_matmuls": dense.prepare, "decode_attention": decode_attention.prepare,
-               "prefill_attention": prefill_attention.prepare}
-    cold = [n for n in names if not build.cached(KERNEL_MODULES[n])]
-    children = build.fill_cache_alongside([KERNEL_MODULES[n] for n in cold[1:]])
+    wrapper = {"dense_matmuls": dense, "decode_attention": decode_attention, "prefill_attention": prefill_attention}
+    cold = [n for n in names if not build.cached(wrapper[n].KERNEL)]
+    children = build.fill_cache_alongside([wrapper[n].KERNEL for n in cold[1:]])
     try:
         if cold:
-            prepare[cold[0]]()
+            wrapper[cold[0]].prepare()
     finally:
         build.wait(children)
     for name in names:
-        prepare[name]()
+        wrapper[name].prepare()
 
 
 def verdict(figures: dict[str, dict[str, float]]) -> str:
