@@ -20,7 +20,7 @@ from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestDelta, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler
-from pipejax.ray_executor.executor.base import Executor
+from pipejax.ray_executor.executor.base import Executor, StagesLost
 from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
@@ -201,7 +201,7 @@ class LLMEngine:
             return
         lost = self.executor.lost_stages()
         if lost:
-            self.heal(RuntimeError(f"stage(s) {lost} found lost between steps"))
+            self.heal(StagesLost(f"stage(s) {lost} found lost between steps", lost))
 
     def _recover(self, exc: Exception) -> None:
         """A stage was lost: pause (every batch in flight is dropped, its requests keep the tokens they have and
@@ -215,7 +215,8 @@ class LLMEngine:
         log.warning("a stage was lost (%s); %d requests wait to be prefilled again", reason.splitlines()[0], moved)
         self.recovering = True
         try:
-            phases = self.executor.recover(self.config.recovery_timeout_s)
+            phases = self.executor.recover(self.config.recovery_timeout_s,
+                                           exc.lost if isinstance(exc, StagesLost) else None)
         except Exception as failure:  # noqa: BLE001 - the engine dies naming both
             self._die(RuntimeError(f"{reason}; recovery failed: {type(failure).__name__}: {failure}"))
         finally:

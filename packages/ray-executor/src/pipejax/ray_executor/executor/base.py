@@ -28,6 +28,15 @@ def choose_kv_cache(plans: Sequence[KVCachePlan]) -> KVCachePlan:
     return plan
 
 
+class StagesLost(RuntimeError):
+    """Stages are gone; ``lost``: their ranks where the detector knows them (``Executor.recover`` then replaces
+    exactly those instead of finding them again)."""
+
+    def __init__(self, message: str, lost: list[int] | None = None):
+        super().__init__(message)
+        self.lost = lost
+
+
 class Executor(abc.ABC):
     config: EngineConfig
     kv_cache: KVCachePlan  # the KV cache every stage holds (``choose_kv_cache``)
@@ -88,9 +97,9 @@ class Executor(abc.ABC):
         """The ranks of stages that are gone (none where stages live in the engine's process)."""
         return []
 
-    def recover(self, timeout_s: float) -> dict[str, float]:
-        """Replace the stages that are gone within ``timeout_s``; seconds per phase. Executors whose stages
-        live in the engine's own process cannot (their loss is the engine's)."""
+    def recover(self, timeout_s: float, lost: list[int] | None = None) -> dict[str, float]:
+        """Replace the stages that are gone (``lost``, else found now) within ``timeout_s``; seconds per phase.
+        Executors whose stages live in the engine's own process cannot (their loss is the engine's)."""
         raise NotImplementedError(f"{type(self).__name__} cannot replace lost stages")
 
     def check_health(self) -> None:

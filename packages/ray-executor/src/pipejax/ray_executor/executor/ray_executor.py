@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from pipejax.ray_executor.config import EngineConfig
-from pipejax.ray_executor.executor.base import Executor, choose_kv_cache
+from pipejax.ray_executor.executor.base import Executor, StagesLost, choose_kv_cache
 from pipejax.ray_executor.executor.compiled_graph import CompiledPipeline
 from pipejax.ray_executor.executor.ray_placement import (
     TPU_RESOURCE,
@@ -34,8 +34,9 @@ HEALTH_TIMEOUT_S = 5.0  # a stage that does not answer a ping (its health thread
 REPLACE_RETRY_S = 1.0  # between tries to start a lost stage's replacement while its host is not yet marked dead
 
 
-class StageFailedError(RuntimeError):
-    """A stage's actor died or raised; names the stage and its host."""
+class StageFailedError(StagesLost):
+    """A stage's actor died or raised; names the stage and its host (``lost``: the ranks, where a health check
+    found them)."""
 
 
 class RecoveryFailedError(RuntimeError):
@@ -144,21 +145,17 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         if self.pipeline is not None:  # actors inside a compiled graph serve no other calls: ask the GCS
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            for rank, p in enumerate(self.placement):
-                if p["node_id"] not in alive:
-                    raise StageFailedError(f"{self._name(rank)} is gone: its node is no longer alive")
+            lost = [rank for rank, p in enumerate(self.placement) if p["node_id"] not in alive]
+            if lost:
+                raise StageFailedError(f"{self._names(lost)} gone: its node is no longer alive", lost)
             return
-        pings = [a.ping.remote() for a in self.actors]
-        for rank, ping in enumerate(pings):
-            try:
-                ray.get(ping, timeout=HEALTH_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                raise StageFailedError(
-                    f"{self._name(rank)} did not answer a health check within {HEALTH_TIMEOUT_S:.0f}s; "
-                    f"its host may be lost or cut off"
-                ) from None
-            except ray.exceptions.RayError as exc:
-                raise StageFailedError(f"{self._name(rank)} is gone: {type(exc).__name__}: {exc}") from None
+        lost = self.lost_stages()
+        if lost:
+            raise StageFailedError(f"{self._names(lost)} gone or did not answer a health check within "
+                                   f"{HEALTH_TIMEOUT_S:.0f}s; its host may be lost or cut off", lost)
+
+    def _names(self, ranks: list[int]) -> str:
+        return "; ".join(self._name(r) for r in ranks)
 
     # --- recovery ----------------------------------------------------------------------------
 
@@ -181,8 +178,9 @@ class RayExecutor(Executor):
                 lost.append(rank)
         return lost
 
-    def recover(self, timeout_s: float) -> dict[str, float]:
-        """Replace every lost stage (``lost_stages``) and reconnect the pipeline; the live stages keep their
+    def recover(self, timeout_s: float, lost: list[int] | None = None) -> dict[str, float]:
+        """Replace every lost stage (``lost``, as a health check found them, else ``lost_stages``) and reconnect
+        the pipeline; the live stages keep their
         process, weights and compiled programs. Every step in flight is lost: the engine re-runs its requests.
         Returns seconds per phase ("find": which stages are lost, "drain": the live stages' queued steps,
         "place": the replacements started where Ray put their bundles, "load": their weights and KV cache,
@@ -195,12 +193,12 @@ class RayExecutor(Executor):
         if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
             self.pipeline.teardown(kill_actors=False)
             self.pipeline = None
-        lost = self.lost_stages()
+        lost = lost or self.lost_stages()
         phases["find"], mark = time.monotonic() - mark, time.monotonic()
         if not lost:
             raise StageFailedError("a step failed but every stage answers: no stage is lost, so none is replaced")
         names = [self._name(r) for r in lost]
-        log.warning("recovering: replacing %s", "; ".join(names))
+        log.warning("recovering: replacing %s", self._names(lost))
         for rank in lost:
             ray.kill(self.actors[rank], no_restart=True)
         live = [r for r in range(len(self.actors)) if r not in lost]
@@ -229,7 +227,7 @@ class RayExecutor(Executor):
         ray.get([self.actors[r].connect_previous.remote(self.addresses[r - 1], self._name(r - 1)) for r in relinked],
                 timeout=self._left(deadline))
         phases["connect"] = time.monotonic() - mark
-        log.warning("recovered: %s", "; ".join(self._name(r) for r in lost))
+        log.warning("recovered: %s", self._names(lost))
         return phases
 
     def _replace(self, rank: int, others: list[dict], name: str, deadline: float, timeout_s: float):
