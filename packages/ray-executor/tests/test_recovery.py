@@ -13,6 +13,7 @@ from test_ray_executor import start_cluster, stop_cluster
 
 from pipejax.ray_executor import LLM, SamplingParams
 from pipejax.ray_executor.engine.engine import EngineDeadError
+from pipejax.ray_executor.executor.ray_placement import CPU_DEVICE_RESOURCE
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,10 +90,11 @@ def _start_losing_host(cluster, nodes, llm: LLM, rank: int, max_tokens: int = 20
     return ids, victim, time.monotonic()
 
 
-def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one():
+def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one_then_revives():
     """Three nodes of two devices, pp=2 x tp=2: one is a spare. Its host lost, stage 1 moves to the spare and
     the requests finish as without the loss; with that host lost too, nothing can take the stage: the requests
-    fail within the recovery timeout, with the error naming the stage and what to add."""
+    fail within the recovery timeout, with the error naming the stage and what to add. Once a node joins,
+    ``revive`` places the stage there and the engine serves as before."""
     cluster = start_cluster([2, 2, 2])
     nodes = list(cluster.worker_nodes)
     try:
@@ -124,6 +126,19 @@ def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one()
         assert waited < 15 + 30, waited  # detection + the recovery timeout, never a hang
         failed = {o.request_id: o.outputs[0] for o in err.value.failed_outputs}
         assert set(ids) <= set(failed) and all(failed[i].finish_reason == "error" for i in ids)
+        assert err.value.revivable
+        with pytest.raises(EngineDeadError):
+            engine.add_request("late", "too late")  # no stages: no new work until revived
+
+        joined = cluster.add_node(num_cpus=1, resources={CPU_DEVICE_RESOURCE: 2})
+        assert engine.revive()
+        assert engine.executor.placement[rank]["node_id"] == joined.node_id
+        assert engine.recovery.recoveries == 2
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:16], SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True))]
+        assert again == clean
+        with pytest.raises(RuntimeError, match="revive.. is for an engine whose recovery failed; this one is alive"):
+            engine.revive()
         llm.shutdown()
     finally:
         stop_cluster(cluster)

@@ -129,7 +129,7 @@ def _recv(sock, decode, timeout_ms=5000):
 
 
 @contextlib.contextmanager
-def running_core(core_class, index: int, warmup: bool):
+def running_core(core_class, index: int, warmup: bool, config=None):
     """``core_class``'s loop in a thread, wired to one API server's sockets (ROUTER, PULL) and the stats PULL;
     yields (core, router, pull, stats, result: {"reason": what run() returned}); stops and closes all after."""
     addresses = DPAddresses.create(None, None, 1)
@@ -138,7 +138,7 @@ def running_core(core_class, index: int, warmup: bool):
     router.bind(addresses.input(0))
     pull.bind(addresses.output(0))
     stats.bind(addresses.stats)
-    core = core_class(None, index, addresses, warmup=warmup, node_id="node-x")
+    core = core_class(config, index, addresses, warmup=warmup, node_id="node-x")
     result = {}
     thread = threading.Thread(target=lambda: result.update(reason=core.run()), daemon=True)
     thread.start()
@@ -205,6 +205,103 @@ def test_engine_core_loop_streams_deltas_aborts_refuses_and_dies_cleanly():
         assert "EngineDeadError" in dead and "stage 1 (host h)" in dead and result.get("reason") == dead
         assert failed and failed[0].error_kind == "engine_dead"
         assert failed[0].error.startswith("data-parallel engine 3 (host ") and "stage 1 (host h)" in failed[0].error
+
+
+class UnplacedEngine(FakeEngine):
+    """A fake engine whose step fails as a recovery that found no node does, and whose ``revive`` succeeds once
+    ``placeable`` is set (a node joined)."""
+
+    def __init__(self):
+        super().__init__()
+        self.placeable = threading.Event()
+        self.revive_tries = 0
+
+    def step_deltas(self):
+        if self.fail_next:
+            self.fail_next = False
+            reason = "recovery failed: RecoveryFailedError: no node could take stage 1"
+            failed = [self._delta(rid, "error", reason) for rid in self.requests]
+            self.requests.clear()
+            raise EngineDeadError(reason, failed_deltas=failed, revivable=True)
+        return super().step_deltas()
+
+    def revive(self):
+        self.revive_tries += 1
+        return self.placeable.wait(0.05)
+
+
+class UnplacedCore(EngineCore):
+    def build_engine(self):
+        return UnplacedEngine()
+
+
+def test_an_engine_whose_lost_stage_finds_no_node_refuses_requests_until_one_joins(monkeypatch):
+    """Recovery timed out: the in-flight request fails naming the cause (kind engine_dead: an API server moves it
+    to a live engine), the engine does not end, its heartbeat says why it cannot serve, a new request gets
+    "unavailable" (503) at once; once revive succeeds the same engine serves again."""
+    from pipejax.ray_executor.serving import engine_core
+
+    monkeypatch.setattr(engine_core, "REVIVE_PAUSE_S", 0.05)
+    decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
+    decode_stats = msgspec.msgpack.Decoder(EngineStats).decode
+    with running_core(UnplacedCore, 0, warmup=False, config=SimpleNamespace(recovery=True)) as (
+            core, router, pull, stats, result):
+        assert router.poll(5000)
+        router.recv_multipart()
+
+        def send(rid, max_tokens=4):
+            router.send_multipart([engine_identity(0), RequestType.ADD.value,
+                                   encode(EngineCoreRequest(rid, [1], SamplingParams(max_tokens=max_tokens)))])
+
+        def outputs_of(rid):
+            while True:
+                msg = _recv(pull, decode_outputs)
+                assert msg.engine_dead is None  # the engine never says it is gone
+                mine = [o for o in msg.outputs if o.request_id == rid]
+                if mine and mine[-1].finish_reason:
+                    return mine[-1]
+
+        core.engine.fail_next = True
+        send("in-flight", max_tokens=50)
+        failed = outputs_of("in-flight")
+        assert failed.error_kind == "engine_dead" and "no node could take stage 1" in failed.error
+        send("refused")
+        refused = outputs_of("refused")
+        assert refused.error_kind == "unavailable" and "waits for a node" in refused.error
+        assert "no node could take stage 1" in refused.error
+        deadline = time.monotonic() + 5
+        while not (h := _recv(stats, decode_stats).health).unplaced and time.monotonic() < deadline:
+            pass
+        assert "no node could take stage 1" in h.unplaced
+        assert core.engine.revive_tries >= 1 and "reason" not in result  # still up, trying
+
+        core.engine.placeable.set()
+        while core.unplaced is not None and time.monotonic() < deadline + 5:
+            time.sleep(0.01)
+        send("served")
+        assert outputs_of("served").finish_reason == "length"
+        assert not _recv(stats, decode_stats).health.unplaced
+
+
+def test_routing_and_health_skip_an_engine_waiting_for_a_node():
+    from pipejax.ray_executor.serving.frontend import Frontend
+    from pipejax.ray_executor.serving.protocol import EngineHealth
+
+    client = DPClient(DPAddresses.create(None, None, 1), 0, dp_size=2)
+    client.engines = {i: EngineInfo(i, f"n{i}", "h", 100 + i, 64, 100) for i in range(2)}
+    client.health = {0: EngineHealth(0.5), 1: EngineHealth(0.5, unplaced="no node could take stage 1")}
+    assert {client.choose_engine() for _ in range(6)} == {0}
+    with pytest.raises(RequestFailed, match="waits for a node for a lost stage: no node could take stage 1") as err:
+        client.choose_engine(rank=1)
+    assert err.value.status == 503
+    frontend = SimpleNamespace(client=client, config=SimpleNamespace(client_index=0))
+    status, body = Frontend.health(frontend)
+    assert (status, body["status"]) == (503, "degraded") and body["engines"][1]["recovering"]
+    client.health[0] = EngineHealth(0.5, unplaced="no node could take stage 0")
+    with pytest.raises(RequestFailed, match="no data-parallel engine can serve: .*stage 0; .*stage 1"):
+        client.choose_engine()
+    status, body = Frontend.health(frontend)
+    assert (status, body["status"]) == (503, "degraded")  # healing, not dead: the server does not exit
 
 
 class WarmingEngine(FakeEngine):
@@ -303,7 +400,7 @@ def test_routing_least_loaded_pinned_and_dead_engines():
     assert err.value.status == 503
     client._engine_died(0, "x")
     client._engine_died(2, "y")
-    with pytest.raises(RequestFailed, match="no data-parallel engine is alive"):
+    with pytest.raises(RequestFailed, match="no data-parallel engine can serve"):
         client.choose_engine()
 
 

@@ -20,7 +20,7 @@ from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestDelta, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler
-from pipejax.ray_executor.executor.base import Executor, StagesLost
+from pipejax.ray_executor.executor.base import Executor, NoStageLost, StagesLost
 from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
@@ -52,14 +52,18 @@ class StepTimeout(RuntimeError):
 class EngineDeadError(RuntimeError):
     """The executor failed (a stage died, a host was lost, a step never came back). Every unfinished
     request was failed with this error (``failed_outputs``: their last outputs, finish reason "error";
-    ``failed_deltas``: the same as deltas, for ``step_deltas`` callers); the engine accepts no more work."""
+    ``failed_deltas``: the same as deltas, for ``step_deltas`` callers); the engine accepts no more work,
+    unless ``revivable``: a lost stage found no node within the recovery timeout, and ``LLMEngine.revive``
+    may place it later (when a host joins or comes back)."""
 
     def __init__(
-        self, reason: str, failed_outputs: Sequence[RequestOutput] = (), failed_deltas: Sequence[RequestDelta] = ()
+        self, reason: str, failed_outputs: Sequence[RequestOutput] = (), failed_deltas: Sequence[RequestDelta] = (),
+        revivable: bool = False,
     ):
         super().__init__(reason)
         self.failed_outputs: list[RequestOutput] = list(failed_outputs)
         self.failed_deltas: list[RequestDelta] = list(failed_deltas)
+        self.revivable = revivable
 
 
 class LLMEngine:
@@ -213,14 +217,39 @@ class LLMEngine:
         self._in_flight.clear()
         moved = self.scheduler.preempt_all()
         log.warning("a stage was lost (%s); %d requests wait to be prefilled again", reason.splitlines()[0], moved)
+        lost = exc.lost if isinstance(exc, StagesLost) else None
+        try:
+            phases = self._replace_lost(lost)
+        except Exception as failure:  # noqa: BLE001 - the engine dies naming both
+            self._die(RuntimeError(f"{reason}; recovery failed: {type(failure).__name__}: {failure}"),
+                      revivable=not isinstance(failure, NoStageLost))
+        self._recovered(start, phases, moved)
+
+    def revive(self) -> bool:
+        """After a recovery that failed (``EngineDeadError.revivable``: no node could take a lost stage in time),
+        try once more, for up to ``recovery_timeout_s``: True once the stages are whole again and the engine
+        takes work as before (the requests failed with the error are not brought back), False if not yet."""
+        if self.dead is None or not self.dead.revivable:
+            raise RuntimeError(f"revive() is for an engine whose recovery failed; this one is "
+                               f"{'alive' if self.dead is None else f'dead for good: {self.dead}'}")
+        start = time.monotonic()
+        try:
+            phases = self._replace_lost(None)
+        except Exception as failure:  # noqa: BLE001 - still no room: the caller tries again later
+            log.warning("the lost stage(s) are still not placed: %s: %s", type(failure).__name__, failure)
+            return False
+        self.dead = None
+        self._recovered(start, phases, 0)
+        return True
+
+    def _replace_lost(self, lost: list[int] | None) -> dict[str, float]:
         self.recovering = True
         try:
-            phases = self.executor.recover(self.config.recovery_timeout_s,
-                                           exc.lost if isinstance(exc, StagesLost) else None)
-        except Exception as failure:  # noqa: BLE001 - the engine dies naming both
-            self._die(RuntimeError(f"{reason}; recovery failed: {type(failure).__name__}: {failure}"))
+            return self.executor.recover(self.config.recovery_timeout_s, lost)
         finally:
             self.recovering = False
+
+    def _recovered(self, start: float, phases: dict[str, float], moved: int) -> None:
         seconds = time.monotonic() - start
         self.recovery.recoveries += 1
         self.recovery.requests_moved += moved
@@ -243,7 +272,7 @@ class LLMEngine:
                     ) from None
                 self.executor.check_health()
 
-    def _die(self, exc: Exception) -> None:
+    def _die(self, exc: Exception, revivable: bool = False) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         log.error("engine stopped: %s", reason)
         failed = []
@@ -251,7 +280,7 @@ class LLMEngine:
             failed += self.scheduler.fail(batch, reason)
         self._in_flight.clear()
         failed += self.scheduler.fail_all(reason)
-        self.dead = EngineDeadError(reason, [r.output() for r in failed], [r.delta() for r in failed])
+        self.dead = EngineDeadError(reason, [r.output() for r in failed], [r.delta() for r in failed], revivable)
         raise self.dead from exc
 
     def shutdown(self) -> None:

@@ -37,6 +37,11 @@ class StagesLost(RuntimeError):
         self.lost = lost
 
 
+class NoStageLost(RuntimeError):
+    """``Executor.recover`` found every stage answering: the step failed for another reason, and replacing
+    stages (now or later) would not help."""
+
+
 class Executor(abc.ABC):
     config: EngineConfig
     kv_cache: KVCachePlan  # the KV cache every stage holds (``choose_kv_cache``)

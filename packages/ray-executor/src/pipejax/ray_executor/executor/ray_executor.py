@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from pipejax.ray_executor.config import EngineConfig
-from pipejax.ray_executor.executor.base import Executor, StagesLost, choose_kv_cache
+from pipejax.ray_executor.executor.base import Executor, NoStageLost, StagesLost, choose_kv_cache
 from pipejax.ray_executor.executor.compiled_graph import CompiledPipeline
 from pipejax.ray_executor.executor.ray_placement import (
     TPU_RESOURCE,
@@ -185,7 +185,7 @@ class RayExecutor(Executor):
         Returns seconds per phase ("find": which stages are lost, "drain": the live stages' queued steps,
         "place": the replacements started where Ray put their bundles, "load": their weights and KV cache,
         "connect": the transport relinked); raises ``RecoveryFailedError`` where a
-        stage cannot be replaced within ``timeout_s``, and ``StageFailedError`` where no stage is lost (a step
+        stage cannot be replaced within ``timeout_s``, and ``NoStageLost`` where no stage is lost (a step
         that failed on live stages is not a host's loss)."""
         deadline = time.monotonic() + timeout_s
         phases: dict[str, float] = {}
@@ -196,7 +196,7 @@ class RayExecutor(Executor):
         lost = lost or self.lost_stages()
         phases["find"], mark = time.monotonic() - mark, time.monotonic()
         if not lost:
-            raise StageFailedError("a step failed but every stage answers: no stage is lost, so none is replaced")
+            raise NoStageLost("a step failed but every stage answers: no stage is lost, so none is replaced")
         names = [self._name(r) for r in lost]
         log.warning("recovering: replacing %s", self._names(lost))
         for rank in lost:

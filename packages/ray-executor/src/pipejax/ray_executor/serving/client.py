@@ -136,20 +136,27 @@ class DPClient:
             if not 0 <= rank < self.dp_size:
                 raise RequestFailed(f"data_parallel_rank={rank} is out of range; this server has "
                                     f"data-parallel ranks 0..{self.dp_size - 1}", "invalid_request")
-            if rank in self.dead:
-                raise RequestFailed(f"data_parallel_rank={rank}: {self.dead[rank]}", "unavailable")
+            if rank in self.dead or self.unplaced(rank):
+                raise RequestFailed(f"data_parallel_rank={rank}: {self.dead.get(rank) or self.unplaced(rank)}",
+                                    "unavailable")
             best = rank
         else:
-            alive = [e for e in sorted(self.engines) if e not in self.dead and e not in exclude]
+            alive = [e for e in sorted(self.engines) if e not in self.dead and e not in exclude
+                     and not self.unplaced(e)]
             if not alive:
-                raise RequestFailed("no data-parallel engine is alive: " + "; ".join(self.dead.values()),
-                                    "unavailable")
+                why = [*self.dead.values(), *filter(None, map(self.unplaced, range(self.dp_size)))]
+                raise RequestFailed("no data-parallel engine can serve: " + "; ".join(why), "unavailable")
             start = next(self._round_robin) % len(alive)
             order = alive[start:] + alive[:start]
             best = min(order, key=lambda e: 4 * self.counts[e][0] + self.counts[e][1])
         self.counts[best][0] += requests  # until the coordinator's next update says otherwise
         self.routed[best] += requests
         return best
+
+    def unplaced(self, index: int) -> str:
+        """Why engine ``index`` takes no requests while its lost stages wait for a node; "" when it serves."""
+        h = self.health.get(index)
+        return f"{self.describe(index)} waits for a node for a lost stage: {h.unplaced}" if h and h.unplaced else ""
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, engine: int

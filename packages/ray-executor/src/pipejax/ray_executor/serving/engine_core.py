@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100  # how long an idle engine waits for a message before looking at its stop flag
 IDLE_CHECK_S = 10.0  # how often an idle engine checks that its stages answer (and heals a lost one)
+REVIVE_PAUSE_S = 2.0  # between tries to place lost stages that found no node within the recovery timeout
 SEND_LINGER_MS = 5_000  # how long closing sockets may take to flush the last outputs
 
 
@@ -65,6 +66,8 @@ class EngineCore:
         self.node_id = node_id or socket.gethostname()
         self.stop_event = threading.Event()
         self.dead: str | None = None
+        self.unplaced: str | None = None  # why lost stages wait for a node (``_wait_for_node``); None: whole
+        self._reviver: threading.Thread | None = None
         self.engine = None
         self.on_engine_built = on_engine_built
         self._clients: dict[str, int] = {}  # request id -> API server index
@@ -107,6 +110,8 @@ class EngineCore:
         finally:
             self.stop_event.set()
             stats.join(timeout=2 * STATS_INTERVAL_S + 1)
+            if self._reviver is not None:
+                self._reviver.join(timeout=1)  # a try under way ends at its own timeout; the engine shuts down
             for s in dealers + pushes:
                 s.close()
             ctx.term()
@@ -143,11 +148,11 @@ class EngineCore:
         for dealer in dealers:
             poller.register(dealer, zmq.POLLIN)
         while not self.stop_event.is_set():
-            busy = self.engine.has_unfinished_requests()
+            busy = self.unplaced is None and self.engine.has_unfinished_requests()
             for sock, _ in poller.poll(0 if busy or self._warmup_left else IDLE_POLL_MS):
                 self._drain(sock)
-            if self.stop_event.is_set():
-                continue
+            if self.stop_event.is_set() or self.unplaced is not None:
+                continue  # new requests are refused (``_add``) until the reviver places the lost stages
             if not self.engine.has_unfinished_requests():
                 try:
                     if self._warmup_left:
@@ -157,12 +162,15 @@ class EngineCore:
                         self.engine.check_stages()
                         self.proven_at = time.monotonic()
                 except EngineDeadError as exc:
-                    return self._die(exc)
+                    if not self._wait_for_node(exc):
+                        return self._die(exc)
                 continue
             try:
                 outputs = self.engine.step_deltas()
             except EngineDeadError as exc:
-                return self._die(exc)
+                if not self._wait_for_node(exc):
+                    return self._die(exc)
+                continue
             self.proven_at = time.monotonic()
             self._send(outputs)
         return "stopped"
@@ -171,23 +179,52 @@ class EngineCore:
         """What the stats thread reports besides the load (read from the engine loop's thread: plain fields)."""
         r = self.engine.recovery
         return EngineHealth(time.monotonic() - self.proven_at, self.engine.recovering, r.recoveries,
-                            r.requests_moved, r.seconds)
+                            r.requests_moved, r.seconds, self.unplaced or "")
 
     def _die(self, exc: EngineDeadError) -> str:
         """The executor failed: fail every request with an error naming this engine, say so, stop."""
         self.dead = f"{type(exc).__name__}: {exc}"  # the cause; receivers prefix the engine's name
-        message = f"{self.info().describe()} died: {self.dead}"
-        log.error("%s", message)
+        log.error("%s died: %s", self.info().describe(), self.dead)
+        self._fail_requests(exc, engine_dead=self.dead)
+        return self.dead
+
+    def _wait_for_node(self, exc: EngineDeadError) -> bool:
+        """Recovery found no node for a lost stage in time (``exc.revivable``): its requests fail (or move to a
+        live engine), and the engine stays up, refusing requests, while a thread tries again to place the stage
+        (``LLMEngine.revive``); it serves again once that succeeds. False where the engine is dead for good."""
+        if not (exc.revivable and self.config.recovery):
+            return False
+        self.unplaced = f"{type(exc).__name__}: {exc}"
+        log.error("%s cannot serve until a node takes its lost stage(s): %s", self.info().describe(), self.unplaced)
+        self._fail_requests(exc)
+        self._reviver = threading.Thread(target=self._revive, name=f"engine{self.index}-revive", daemon=True)
+        self._reviver.start()
+        return True
+
+    def _revive(self) -> None:
+        while not self.stop_event.is_set():
+            if self.engine.revive():
+                self.proven_at = time.monotonic()
+                self.unplaced = None
+                log.warning("%s serves again: its lost stage(s) were placed", self.info().describe())
+                return
+            self.stop_event.wait(REVIVE_PAUSE_S)
+
+    def _fail_requests(self, exc: EngineDeadError, engine_dead: str | None = None) -> None:
+        """Every request of this engine fails with ``exc`` naming the engine (kind "engine_dead": an API server
+        moves it to a live engine where there is one); ``engine_dead``: the last message says the engine is gone."""
+        prefix = f"{self.info().describe()} died: "
         failed = [d for d in exc.failed_deltas if d.request_id in self._clients]
-        self._send(failed, error_kind="engine_dead", error_prefix=f"{self.info().describe()} died: ")
-        # Requests the engine no longer knew about fail too; the last message says the engine is gone.
+        self._send(failed, error_kind="engine_dead", error_prefix=prefix)
+        # Requests the engine no longer knew about fail too.
         leftovers = dict(self._clients)
         self._clients.clear()
+        message = f"{prefix}{type(exc).__name__}: {exc}"
         for client in range(len(self._pushes)):
             mine = [EngineCoreOutput(rid, finish_reason="error", error=message, error_kind="engine_dead")
                     for rid, c in leftovers.items() if c == client]
-            self._push(client, EngineCoreOutputs(self.index, mine, engine_dead=self.dead))
-        return self.dead
+            if mine or engine_dead:
+                self._push(client, EngineCoreOutputs(self.index, mine, engine_dead=engine_dead))
 
     # --- messages in -----------------------------------------------------------------------------
 
@@ -216,6 +253,12 @@ class EngineCore:
                 log.error("engine %d: undecodable %r message ignored: %s", self.index, kind, exc)
 
     def _add(self, req: EngineCoreRequest) -> None:
+        if self.unplaced is not None:
+            error = (f"{self.info().describe()} cannot take requests while a lost stage waits for a node "
+                     f"({self.unplaced}); it serves again once a host with the resources joins")
+            out = EngineCoreOutput(req.request_id, finish_reason="error", error=error, error_kind="unavailable")
+            self._push(req.client_index, EngineCoreOutputs(self.index, [out]))
+            return
         try:
             self.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids}, req.sampling_params,
                                     req.resume_token_ids)

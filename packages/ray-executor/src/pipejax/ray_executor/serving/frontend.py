@@ -195,16 +195,20 @@ class Frontend:
 
     def health(self) -> tuple[int, dict]:
         """200 while every engine proves it can step (it finished a step, or found its stages answering, within
-        ``PROVEN_WITHIN_S``) or is healing a lost stage ("degraded" then); 503 naming the engines that cannot."""
+        ``PROVEN_WITHIN_S``) or is healing a lost stage ("degraded" then); 503 naming the engines that cannot
+        ("degraded" while one serves or waits for a node for its lost stages, "dead" where none does)."""
         c = self.client
         engines, failing, recovering = [], [], []
         for index in range(c.dp_size):
             info, h = c.engines.get(index), c.health.get(index)
             stale = h is not None and not h.recovering and h.proven_age_s > PROVEN_WITHIN_S
-            error = c.dead.get(index) or (f"{c.describe(index)} has not stepped nor checked its stages for "
-                                          f"{h.proven_age_s:.0f}s" if stale else None)
+            error = c.dead.get(index) or c.unplaced(index) or (
+                f"{c.describe(index)} has not stepped nor checked its stages for {h.proven_age_s:.0f}s"
+                if stale else None)
             if error:
                 failing.append(error)
+            if h is not None and h.unplaced:
+                recovering.append(index)
             elif h is not None and h.recovering:
                 recovering.append(index)
             engines.append({
@@ -212,13 +216,13 @@ class Frontend:
                 "host": info.host if info else None, "node_id": info.node_id if info else None,
                 "pid": info.pid if info else None, "waiting": c.counts[index][0], "running": c.counts[index][1],
                 "routed": c.routed[index], "error": error,
-                "recovering": bool(h and h.recovering), "recoveries": h.recoveries if h else 0,
+                "recovering": bool(h and (h.recovering or h.unplaced)), "recoveries": h.recoveries if h else 0,
                 "proven_s_ago": round(h.proven_age_s, 1) if h else None,
             })
         if not failing:
             status = "degraded" if recovering else "ok"
-        else:
-            status = "degraded" if len(failing) < c.dp_size else "dead"
+        else:  # "dead" only where no engine serves nor heals
+            status = "degraded" if len(failing) < c.dp_size or recovering else "dead"
         body = {"status": status, "api_server": self.config.client_index, "engines": engines}
         if failing:
             body["error"] = "; ".join(failing)

@@ -84,13 +84,15 @@ class EngineInfo(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 class EngineHealth(msgspec.Struct, array_like=True, gc=False):
     """An engine's proof of life and its healing so far (``LLMEngine.recovery``): ``proven_age_s`` is the time
-    since it last finished a step or found every stage answering (an idle engine checks them)."""
+    since it last finished a step or found every stage answering (an idle engine checks them); ``unplaced``
+    says why it cannot serve while it waits for a node to take its lost stages (``EngineCore``)."""
 
     proven_age_s: float = 0.0
     recovering: bool = False
     recoveries: int = 0
     requests_moved: int = 0
     recovery_seconds: float = 0.0
+    unplaced: str = ""  # why lost stages wait for a node (recovery timed out): it takes no requests until then
 
 
 class EngineStats(msgspec.Struct, array_like=True, gc=False):
