@@ -130,9 +130,10 @@ def serve_defaults(session: nox.Session) -> None:
 
 @nox.session
 def multihost(session: nox.Session) -> None:
-    """The Ray executor across network-namespace hosts, each its own IP; a lost host healed (root; 3 min in CI)."""
+    """The Ray executor across network-namespace hosts, each its own IP; a lost host healed, under `LLM` and under
+    `pipejax serve` (the openai client), and a server waiting for a node until a host joins (root; ~4.5 min)."""
     _install_layer(session, "ray-executor", None, LAZY_BYTECODE)  # no torch/transformers: it compares with itself
-    session.install(LAZY_BYTECODE, "-c", CONSTRAINTS, "pytest", "pytest-timeout")
+    session.install(LAZY_BYTECODE, "-c", CONSTRAINTS, "pytest", "pytest-timeout", "openai")
     session.run("pytest", str(MULTIHOST_TESTS), "-q", "-rs", "-m", "not extra", *session.posargs, env=MULTIHOST_ENV)
 
 

@@ -305,8 +305,9 @@ class NetnsCluster:
         self._wait_started({h.index: self._ray_start(h) for h in self.hosts[1:]}, deadline)
         self.wait_alive(deadline - time.monotonic())
 
-    def wait_alive(self, timeout_s: float) -> list[dict]:
-        """Until every host's node is alive in the head's GCS (asked from inside the head's namespace)."""
+    def wait_alive(self, timeout_s: float, hosts: Sequence[int] | None = None) -> list[dict]:
+        """Until the nodes of ``hosts`` (default: every host) are alive in the head's GCS (asked from inside the
+        head's namespace)."""
         probe = (
             "import json, sys, time, ray\n"
             "want = set(json.loads(sys.argv[1])); deadline = time.monotonic() + float(sys.argv[2])\n"
@@ -318,7 +319,7 @@ class NetnsCluster:
             "print(json.dumps([{'ip': ip, 'node_id': n['NodeID'], 'resources': n['Resources']}\n"
             "                  for ip, n in alive.items()]))\n"
         )
-        ips = [h.ip for h in self.hosts]
+        ips = [self.hosts[i].ip for i in (range(len(self.hosts)) if hosts is None else hosts)]
         proc = subprocess.run(
             [*self.exec_prefix(0), self.python, "-c", probe, json.dumps(ips), str(max(1.0, timeout_s)), self.address],
             capture_output=True, text=True, env=self._env(), timeout=timeout_s + 60,
@@ -342,8 +343,30 @@ class NetnsCluster:
             _run("ip", "-n", h.name, "link", "set", "eth0", "down")
         return kill_netns_processes([h.name], grace_s=0)
 
+    def rejoin_host(self, host: int, timeout_s: float = 90.0) -> None:
+        """Bring a lost ``host`` back: its link up, a new Ray node started on it (what a restarted machine
+        does), and alive in the head's GCS."""
+        h = self.hosts[host]
+        _run("ip", "link", "set", h.veth, "up")
+        _run("ip", "-n", h.name, "link", "set", "eth0", "up")
+        deadline = time.monotonic() + timeout_s
+        self._wait_started({h.index: self._ray_start(h)}, deadline)
+        self.wait_alive(max(1.0, deadline - time.monotonic()), [host])
+
     def host_by_ip(self, ip: str) -> Host:
         return next(h for h in self.hosts if h.ip == ip)
+
+    def host_running(self, title: str) -> Host:
+        """The worker host (never the head) with a process whose command line starts with ``title`` (a Ray
+        actor's process title, e.g. "ray::StageActor"): what an operator finds with ``ps`` on each machine."""
+        for h in self.hosts[1:]:
+            for pid in netns_pids(h.name):
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                        return h
+                except OSError:
+                    continue
+        raise LookupError(f"no worker host runs a process titled {title!r}")
 
     def _print_log_tails(self, chars: int = 1500) -> None:
         for h in self.hosts:

@@ -13,10 +13,8 @@
    ``EngineDeadError`` naming that stage, its host and why no node could take it (detection, then
    ``--recovery-timeout``).
 
-Protocol with the orchestrator, through files in ``--workdir``: the driver writes
-``kill_request.json`` ({"rank", "ip", "host"}) and waits for ``killed.json`` ({"time": the
-time.time() at which the kill began}). The summary goes to ``summary.json`` there and, as the
-last line, to stdout. Exit status 0 when every check passed.
+The orchestrator is asked through files in ``--workdir`` (``driver_checks.ask``). The summary goes to
+``summary.json`` there and, as the last line, to stdout. Exit status 0 when every check passed.
 """
 
 from __future__ import annotations
@@ -57,7 +55,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import ray  # noqa: E402
-from driver_checks import Checks, write_atomically  # noqa: E402  (this folder is on sys.path: run as a script)
+from driver_checks import Checks, ask  # noqa: E402  (this folder is on sys.path: run as a script)
 
 from pipejax.ray_executor import LLM, SamplingParams  # noqa: E402
 from pipejax.ray_executor.engine.engine import EngineDeadError  # noqa: E402
@@ -179,15 +177,9 @@ def main() -> int:
 
 def _request_kill(workdir: Path, victim: dict, rank: int, check: Checks) -> float | None:
     """Ask the orchestrator to lose ``victim``'s host; the time.time() at which it began (None: it did not)."""
-    write_atomically(workdir / "kill_request.json", {"rank": rank, "ip": victim["ip"], "host": victim["host"]})
-    killed_file = workdir / "killed.json"
-    deadline = time.monotonic() + 120
-    while not killed_file.exists():
-        if time.monotonic() > deadline:
-            check("the orchestrator killed the host", False, "no killed.json within 120 s")
-            return None
-        time.sleep(0.05)
-    return json.loads(killed_file.read_text())["time"]
+    killed_at = ask(workdir, "lose", rank=rank, ip=victim["ip"], host=victim["host"])
+    check("the orchestrator lost the host", killed_at is not None, "no answer within 180 s")
+    return killed_at
 
 
 def heal_onto_a_spare(llm, rank: int, workdir: Path, check: Checks, summary: dict) -> None:

@@ -8,7 +8,7 @@
    on the head, engine 1 elsewhere; ``-dpl 0``: neither on the head), and each engine's completions
    (pinned with ``X-data-parallel-rank``) must equal the reference.
 3. With long requests in flight on both engines, engine 1's host is lost (the orchestrator cuts its
-   link and kills its processes, on ``kill_request.json``): engine 1's requests must move to engine 0
+   link and kills its processes, asked through ``driver_checks.ask``): engine 1's requests must move to engine 0
    and finish (the API server sends them again with the tokens they had), engine 0's must finish,
    ``/health`` must say degraded (engine 1 waits to be rebuilt: no host has room), and new requests
    must still be served. Every wait has a timeout.
@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from driver_checks import Checks, write_atomically  # this folder is on sys.path: run as a script
+from driver_checks import Checks, ask, free_port, request, wait_healthy  # this folder is on sys.path: run as a script
 
 PROMPTS = ["Hello, pipejax!", "The quick brown fox", "pipelines", "hosts and ranks"]
 MAX_TOKENS = 8
@@ -49,34 +46,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def request(url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
-
-
 def complete(base: str, prompt: str, rank: int, max_tokens: int = MAX_TOKENS, timeout: float = 120) -> tuple[int, dict]:
     body = {"model": "builtin", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     return request(f"{base}/v1/completions", body, {"X-data-parallel-rank": str(rank)}, timeout)
-
-
-def wait_healthy(base: str, server: subprocess.Popen, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            status, body = request(f"{base}/health", timeout=5)
-            if status == 200:
-                return body
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"the server was not healthy within {timeout_s:.0f}s")
 
 
 def reference_texts() -> list[str]:
@@ -88,12 +60,6 @@ def reference_texts() -> list[str]:
         return [o.outputs[0].text for o in outs]
     finally:
         llm.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -174,14 +140,9 @@ def lose_engine_host(base: str, health: dict, hosts: list[dict], args, check: Ch
     for t in threads:
         t.start()
     time.sleep(2.0)
-    write_atomically(args.workdir / "kill_request.json", {"engine": 1, "ip": ip, "host": victim["host"]})
-    killed = args.workdir / "killed.json"
-    deadline = time.monotonic() + 60
-    while not killed.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not check("the orchestrator lost the host", killed.exists(), "no killed.json within 60 s"):
+    killed_at = ask(args.workdir, "lose", timeout_s=60, engine=1, ip=ip, host=victim["host"])
+    if not check("the orchestrator lost the host", killed_at is not None, "no answer within 60 s"):
         return
-    killed_at = json.loads(killed.read_text())["time"]
     for t in threads:
         t.join(timeout=120)
     check("no request hangs", all(not t.is_alive() for t in threads))

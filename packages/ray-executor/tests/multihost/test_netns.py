@@ -9,14 +9,15 @@ host of stage 1 is lost (link cut, every process killed by PID) while requests a
 the engine (no host spare) must raise an error naming stage 1, its host and that no node could take it
 within its recovery timeout (15 s) + 30 s. A second test runs pp=2 x tp=2 on the same hosts, one of them
 spare, and loses the host of stage 1: the stage must move to the spare and every request finish as without
-the loss. Needs root; run by the nox session ``multihost``; skipped with the reason where namespaces cannot
-be made.
+the loss. A third serves through ``pipejax serve`` and the openai client (run_serve_heal.py): streams through
+a lost stage host, then no spare (requests fail by name, the server waits), then a host comes back and the same
+server serves again. Needs root; run by the nox session ``multihost``; skipped with the reason where namespaces
+cannot be made.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from driver_checks import write_atomically  # noqa: E402
 from netns_cluster import HostSpec, NetnsCluster, NetnsUnavailable, check_available  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,12 +58,6 @@ def netns_available():
         check_available(PREFIX)
     except NetnsUnavailable as exc:
         pytest.skip(f"the multi-host test needs Linux network namespaces: {exc}")
-
-
-def write_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def leftovers() -> list[str]:
@@ -165,28 +161,59 @@ def run_and_check(tmp_path, host_specs, *, pp: int, tp: int, expect_order: list[
 
 
 def drive(cluster: NetnsCluster, cmd: list[str], workdir, log_path) -> tuple[int | None, dict]:
-    """Run a driver on the head host; lose the host it names in ``kill_request.json`` (never the head),
-    answer with ``killed.json``; return its exit status (None: still running at the deadline) and the kill."""
-    kill_request, killed = workdir / "kill_request.json", workdir / "killed.json"
+    """Run a driver on the head host and carry out what it asks (``driver_checks.ask``): lose a host (never the
+    head) or bring one back; return its exit status (None: still running at the deadline) and the first loss."""
     kill: dict = {}
     with open(log_path, "w") as log:
         driver = cluster.popen(0, cmd, env={"RAY_ADDRESS": cluster.address}, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + DRIVER_TIMEOUT_S
-        while driver.poll() is None and not kill_request.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if kill_request.exists():
-            request = json.loads(kill_request.read_text())
-            victim = cluster.host_by_ip(request["ip"])
-            assert victim.index != 0, f"the driver asked to kill the head host: {request}"
-            killed_at = time.time()
-            processes = cluster.kill_host(victim.index, cut_link=True)
-            write_atomically(killed, {"time": killed_at, "processes": processes})
-            kill = {"host": victim.name, "processes": processes, "kill_s": round(time.time() - killed_at, 3)}
+        deadline, n = time.monotonic() + DRIVER_TIMEOUT_S, 0
+        while driver.poll() is None and time.monotonic() < deadline:
+            request = workdir / f"action-{n}.json"
+            if not request.exists():
+                time.sleep(0.05)
+                continue
+            asked = json.loads(request.read_text())
+            host = cluster.host_by_ip(asked["ip"]) if "ip" in asked else cluster.host_running(asked["running"])
+            assert host.index != 0, f"the driver asked to touch the head host: {asked}"
+            began = time.time()
+            if asked["action"] == "lose":
+                processes = cluster.kill_host(host.index, cut_link=True)
+                kill = kill or {"host": host.name, "processes": processes, "kill_s": round(time.time() - began, 3)}
+            else:
+                cluster.rejoin_host(host.index, timeout_s=90)
+            write_atomically(workdir / f"done-{n}.json", {"time": began, "ip": host.ip, "host": host.name})
+            n += 1
         driver.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass  # reported by the caller; the teardown kills it with everything else in the namespace
     return driver.poll(), kill
+
+
+def test_serve_heals_a_lost_stage_host_then_waits_for_a_node_and_serves_again(netns_available, teardown_on_sigterm,
+                                                                            tmp_path):
+    """`pipejax serve -pp 2 -tp 2` on the three hosts, one spare, driven by the openai client (run_serve_heal.py):
+    16 streams with stage 1's host lost at a random token heal onto the spare, each stream unbroken and equal to
+    the clean run; with no spare left the requests fail by name, /health says degraded and the server stays up;
+    once the lost host comes back the same server serves again."""
+    log_path = tmp_path / "driver.log"
+    with NetnsCluster(HOSTS, prefix=PREFIX) as cluster:
+        hosts = [{"name": h.name, "ip": h.ip, "devices": h.devices} for h in cluster.hosts]
+        cmd = [sys.executable, str(HERE / "run_serve_heal.py"), "--hosts", json.dumps(hosts),
+               "--workdir", str(tmp_path)]
+        rc, kill = drive(cluster, cmd, tmp_path, log_path)
+    log_text = log_path.read_text(errors="replace")
+    serve_log = (tmp_path / "serve.log").read_text(errors="replace") if (tmp_path / "serve.log").exists() else ""
+    logs = f"driver log:\n{log_text[-6000:]}\nserve log:\n{serve_log[-8000:]}"
+    summary_path = tmp_path / "summary.json"
+    assert summary_path.exists(), f"no summary (rc {rc}); {logs}"
+    summary = json.loads(summary_path.read_text())
+    print("multihost serve heal:", json.dumps({k: summary.get(k) for k in ("timings", "seed", "tokens_before_loss",
+                                                                           "first_lost")}))
+    failed = {k: summary["notes"].get(k, "") for k, ok in summary["checks"].items() if not ok}
+    assert rc == 0 and summary["ok"], f"failed: {failed} (rc {rc})\n{logs}"
+    assert summary["checks"].get("after the host joined, the streams equal the clean run"), "phase 4 did not run"
+    assert not leftovers(), f"teardown left: {leftovers()}"
 
 
 @pytest.mark.extra
