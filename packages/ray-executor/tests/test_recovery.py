@@ -30,9 +30,10 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _generate_killing(llm: LLM, rank: int) -> tuple[list[list[int]], dict]:
-    """``LLM.generate`` over PROMPTS while the process of stage ``rank`` is killed (SIGKILL) once the requests
-    have a few tokens each; the outputs, and the victim's placement."""
+def _generate_killing(llm: LLM, rank: int, sig: int = signal.SIGKILL) -> tuple[list[list[int]], dict]:
+    """``LLM.generate`` over PROMPTS while the process of stage ``rank`` gets ``sig`` (SIGKILL: it dies; SIGSTOP:
+    it freezes, answering nothing) once the requests have a few tokens each; the outputs, and the victim's
+    placement."""
     engine = llm.engine
     victim = dict(engine.executor.placement[rank])
 
@@ -41,7 +42,7 @@ def _generate_killing(llm: LLM, rank: int) -> tuple[list[list[int]], dict]:
         while time.monotonic() < deadline and not any(len(r.output_token_ids) >= 3 for r in
                                                       list(engine.scheduler.running)):
             time.sleep(0.005)
-        os.kill(victim["pid"], signal.SIGKILL)  # a stage actor this test's cluster started
+        os.kill(victim["pid"], sig)  # a stage actor this test's cluster started
 
     killer = threading.Thread(target=kill_mid_run)
     killer.start()
@@ -51,21 +52,26 @@ def _generate_killing(llm: LLM, rank: int) -> tuple[list[list[int]], dict]:
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-graph"])
-def test_a_killed_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
+def test_a_killed_or_frozen_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
     cluster = start_cluster([2, 2])
     try:
         llm = _llm(ray_compiled_graph=compiled)
         clean = _generate(llm)
         engine = llm.engine
-        for n, rank in enumerate((1, 0) if not compiled else (1,), start=1):
-            outputs, victim = _generate_killing(llm, rank)
+        # compiled graph: stage 0 frozen (SIGSTOP) after stage 1 killed; found by the pings (3 s + 5 s), its
+        # process killed on its node, replaced like a dead one
+        losses = [(1, signal.SIGKILL), (0, signal.SIGKILL)] if not compiled else [(1, signal.SIGKILL),
+                                                                                 (0, signal.SIGSTOP)]
+        for n, (rank, sig) in enumerate(losses, start=1):
+            outputs, victim = _generate_killing(llm, rank, sig)
             assert outputs == clean, f"outputs differ after stage {rank} was replaced"
             stats = engine.recovery
             assert stats.recoveries == n and stats.requests_moved > 0
             now = engine.executor.placement[rank]
             assert now["pid"] != victim["pid"] and now["node_id"] == victim["node_id"]  # its host stayed up
-            print(f"stage {rank} killed ({'compiled graph' if compiled else 'plain'}): recovered in "
-                  f"{stats.last_phases['total']:.1f}s {stats.last_phases}")
+            mode = "compiled graph" if compiled else "plain"
+            print(f"stage {rank} {signal.Signals(sig).name} ({mode}): recovered in {stats.last_phases['total']:.1f}s "
+                  f"{stats.last_phases}")
         if compiled:
             assert engine.executor.pipeline is not None  # the graph was rebuilt over the new actor
         llm.shutdown()

@@ -44,8 +44,9 @@ def write_atomically(path: Path, data: dict) -> None:
 
 
 def ask(workdir: Path, action: str, timeout_s: float = 180, **data) -> float | None:
-    """Ask the orchestrator to ``lose`` (cut the link, kill every process) or ``join`` (bring back, start its
-    Ray node) the host ``data["ip"]``; the time.time() at which it began, None if it did not answer in time."""
+    """Ask the orchestrator to ``lose`` (cut the link, kill every process), ``cut`` (the link alone: its processes
+    live on, unreachable) or ``join`` (bring back, start its Ray node) the host ``data["ip"]``; the time.time()
+    at which it began, None if it did not answer in time."""
     done = ask_for(workdir, action, timeout_s, **data)
     return done["time"] if done else None
 

@@ -337,11 +337,15 @@ class NetnsCluster:
     def kill_host(self, host: int, cut_link: bool = True) -> int:
         """Lose ``host``: unplug its link (so nothing it does reaches anyone), then SIGKILL every
         process in its namespace. Returns how many processes were killed."""
-        h = self.hosts[host]
         if cut_link:
-            _run("ip", "link", "set", h.veth, "down")
-            _run("ip", "-n", h.name, "link", "set", "eth0", "down")
-        return kill_netns_processes([h.name], grace_s=0)
+            self.cut_link(host)
+        return kill_netns_processes([self.hosts[host].name], grace_s=0)
+
+    def cut_link(self, host: int) -> None:
+        """Unplug ``host``'s link, both ends: its processes live on, and nothing they do reaches anyone."""
+        h = self.hosts[host]
+        _run("ip", "link", "set", h.veth, "down")
+        _run("ip", "-n", h.name, "link", "set", "eth0", "down")
 
     def rejoin_host(self, host: int, timeout_s: float = 90.0) -> None:
         """Bring a lost ``host`` back: its link up, a new Ray node started on it (what a restarted machine

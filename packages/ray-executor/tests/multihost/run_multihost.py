@@ -43,6 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--detect-limit-s", type=float, default=30.0, help="on top of --recovery-timeout")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--ray-compiled-graph", action="store_true", help="the stages in a Ray Compiled Graph")
+    ap.add_argument("--cut-only", action="store_true",
+                    help="lose the host by cutting its link alone: its processes live on, unreachable")
     ap.add_argument("--spare", action="store_true",
                     help="a host is spare: the lost stage must move there and every request finish as without the loss")
     return ap.parse_args(argv)
@@ -177,7 +179,7 @@ def main() -> int:
 
 def _request_kill(workdir: Path, victim: dict, rank: int, check: Checks) -> float | None:
     """Ask the orchestrator to lose ``victim``'s host; the time.time() at which it began (None: it did not)."""
-    killed_at = ask(workdir, "lose", rank=rank, ip=victim["ip"], host=victim["host"])
+    killed_at = ask(workdir, "cut" if ARGS.cut_only else "lose", rank=rank, ip=victim["ip"], host=victim["host"])
     check("the orchestrator lost the host", killed_at is not None, "no answer within 180 s")
     return killed_at
 

@@ -89,9 +89,10 @@ def test_engine_across_namespace_hosts(netns_available, teardown_on_sigterm, tmp
 
 def test_a_lost_host_heals_onto_a_spare(netns_available, teardown_on_sigterm, tmp_path):
     """pp=2 x tp=2 over three namespace hosts of 2 devices: stage 0 on the head, stage 1 on one worker, the
-    other worker spare. With 8 requests in flight the host of stage 1 is lost (link cut, processes killed):
-    the engine moves the stage to the spare and every request finishes as without the loss."""
-    run_and_check(tmp_path, HOSTS, pp=2, tp=2, expect_order=[], victim_rank=1, extra_args=["--spare"],
+    other worker spare. With 8 requests in flight the host of stage 1 is cut off (its link alone: its processes
+    live on, unreachable, so only the pings can find it): the engine moves the stage to the spare and every
+    request finishes as without the loss."""
+    run_and_check(tmp_path, HOSTS, pp=2, tp=2, expect_order=[], victim_rank=1, extra_args=["--spare", "--cut-only"],
                   healed=True)
 
 
@@ -177,9 +178,12 @@ def drive(cluster: NetnsCluster, cmd: list[str], workdir, log_path) -> tuple[int
             host = cluster.host_by_ip(asked["ip"]) if "ip" in asked else cluster.host_running(asked["running"])
             assert host.index != 0, f"the driver asked to touch the head host: {asked}"
             began = time.time()
-            if asked["action"] == "lose":
-                processes = cluster.kill_host(host.index, cut_link=True)
-                kill = kill or {"host": host.name, "processes": processes, "kill_s": round(time.time() - began, 3)}
+            if asked["action"] in ("lose", "cut"):
+                processes = cluster.kill_host(host.index, cut_link=True) if asked["action"] == "lose" else 0
+                if asked["action"] == "cut":
+                    cluster.cut_link(host.index)
+                kill = kill or {"host": host.name, "processes": processes, "kill_s": round(time.time() - began, 3),
+                                "how": asked["action"]}
             else:
                 cluster.rejoin_host(host.index, timeout_s=90)
             write_atomically(workdir / f"done-{n}.json", {"time": began, "ip": host.ip, "host": host.name})

@@ -21,6 +21,7 @@ from pipejax.ray_executor.executor.ray_placement import (
     TPU_RESOURCE,
     connect,
     create_placement_group,
+    end_stage_processes,
     launch_stages,
     replace_stage,
     stage_units,
@@ -31,6 +32,7 @@ from pipejax.runner.batch import ModelBatch, SamplerOutput
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # a stage that does not answer a ping (its health thread) within this is lost
+KILL_TIMEOUT_S = 3.0  # for the SIGKILL of a lost stage's process on a node still up (a frozen one)
 REPLACE_RETRY_S = 1.0  # between tries to start a lost stage's replacement while its host is not yet marked dead
 
 
@@ -48,6 +50,7 @@ class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, placement_group: Any = None):
         """``placement_group``: pp bundles the caller already created (kept at shutdown); None: create one."""
         self.config = config
+        self._silent: set[int] = set()  # ranks whose last ping went unanswered (``lost_stages``): maybe frozen
         par, settings = config.parallel, config.ray
         pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
         platform = current_platform(config.platform_plugin)
@@ -143,12 +146,6 @@ class RayExecutor(Executor):
                 pass
 
     def check_health(self) -> None:
-        if self.pipeline is not None:  # actors inside a compiled graph serve no other calls: ask the GCS
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            lost = [rank for rank, p in enumerate(self.placement) if p["node_id"] not in alive]
-            if lost:
-                raise StageFailedError(f"{self._names(lost)} gone: its node is no longer alive", lost)
-            return
         lost = self.lost_stages()
         if lost:
             raise StageFailedError(f"{self._names(lost)} gone or did not answer a health check within "
@@ -168,6 +165,7 @@ class RayExecutor(Executor):
         pings = [a.ping.remote() for a in self.actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=HEALTH_TIMEOUT_S)
         lost = []
+        self._silent = {rank for rank, ping in enumerate(pings) if ping not in ready}
         for rank, ping in enumerate(pings):
             if self.placement[rank]["node_id"] not in alive or ping not in ready:
                 lost.append(rank)
@@ -182,7 +180,8 @@ class RayExecutor(Executor):
         """Replace every lost stage (``lost``, as a health check found them, else ``lost_stages``) and reconnect
         the pipeline; the live stages keep their
         process, weights and compiled programs. Every step in flight is lost: the engine re-runs its requests.
-        Returns seconds per phase ("find": which stages are lost, "drain": the live stages' queued steps,
+        Returns seconds per phase ("find": which stages are lost, "drain": the lost processes ended (a frozen one by
+        SIGKILL on its node) and the live stages' queued steps,
         "place": the replacements started where Ray put their bundles, "load": their weights and KV cache,
         "connect": the transport relinked); raises ``RecoveryFailedError`` where a
         stage cannot be replaced within ``timeout_s``, and ``NoStageLost`` where no stage is lost (a step
@@ -190,15 +189,16 @@ class RayExecutor(Executor):
         deadline = time.monotonic() + timeout_s
         phases: dict[str, float] = {}
         mark = time.monotonic()
-        if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
-            self.pipeline.teardown(kill_actors=False)
-            self.pipeline = None
         lost = lost or self.lost_stages()
         phases["find"], mark = time.monotonic() - mark, time.monotonic()
         if not lost:
             raise NoStageLost("a step failed but every stage answers: no stage is lost, so none is replaced")
         names = [self._name(r) for r in lost]
         log.warning("recovering: replacing %s", self._names(lost))
+        end_stage_processes([self.placement[r] for r in lost if r in self._silent], KILL_TIMEOUT_S)
+        if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
+            self.pipeline.teardown(kill_actors=False)
+            self.pipeline = None
         for rank in lost:
             ray.kill(self.actors[rank], no_restart=True)
         live = [r for r in range(len(self.actors)) if r not in lost]

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pipejax.pp_utils import WorkerRecord, rank_workers
 from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE
@@ -215,6 +215,30 @@ def _stage_actor(pg: PlacementGroup, bundle: int, units: StageUnits):
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
         runtime_env={"env_vars": base_environment()},
     ).remote()
+
+
+def end_stage_processes(placements: list[dict], timeout_s: float) -> None:
+    """SIGKILL the processes of lost stages whose nodes are still up, through a task on each node: a frozen
+    process (stopped, or stuck where Ray's own kill request is never read) keeps its bundle and, in a compiled
+    graph, holds the teardown; one on a node that cannot be reached is left to Ray, which moves its bundle once
+    it declares the node dead. Waits up to ``timeout_s``."""
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    kills = [_kill_stage_process.options(scheduling_strategy=NodeAffinitySchedulingStrategy(p["node_id"], soft=False))
+             .remote(p["pid"]) for p in placements if p["node_id"] in alive]
+    ray.wait(kills, num_returns=len(kills), timeout=timeout_s)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _kill_stage_process(pid: int) -> bool:
+    import signal
+
+    try:  # only a stage actor's process: the pid may have been reused since
+        if b"StageActor" not in open(f"/proc/{pid}/cmdline", "rb").read():
+            return False
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
 
 
 def replace_stage(platform, pg: PlacementGroup, rank: int, lost: dict, others: list[dict], tp: int,
