@@ -2,6 +2,7 @@
 prefilled again; every output equals the same run without the failure (greedy). Real Ray clusters of simulated
 nodes (``ray.cluster_utils.Cluster``); the multi-host variants on network namespaces are in ``multihost/``."""
 
+import dataclasses
 import os
 import signal
 import threading
@@ -30,10 +31,14 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _generate_killing(llm: LLM, rank: int, sig: int = signal.SIGKILL) -> tuple[list[list[int]], dict]:
+def _hang(actor_self) -> None:
+    time.sleep(3600)  # runs on the stage actor's step thread: its steps wait behind it, its pings still answer
+
+
+def _generate_killing(llm: LLM, rank: int, sig: int | None = signal.SIGKILL) -> tuple[list[list[int]], dict]:
     """``LLM.generate`` over PROMPTS while the process of stage ``rank`` gets ``sig`` (SIGKILL: it dies; SIGSTOP:
-    it freezes, answering nothing) once the requests have a few tokens each; the outputs, and the victim's
-    placement."""
+    it freezes, answering nothing; None: its step thread hangs while it answers pings) once the requests have a
+    few tokens each; the outputs, and the victim's placement."""
     engine = llm.engine
     victim = dict(engine.executor.placement[rank])
 
@@ -42,7 +47,10 @@ def _generate_killing(llm: LLM, rank: int, sig: int = signal.SIGKILL) -> tuple[l
         while time.monotonic() < deadline and not any(len(r.output_token_ids) >= 3 for r in
                                                       list(engine.scheduler.running)):
             time.sleep(0.005)
-        os.kill(victim["pid"], sig)  # a stage actor this test's cluster started
+        if sig is None:
+            engine.executor.actors[rank].__ray_call__.remote(_hang)
+        else:
+            os.kill(victim["pid"], sig)  # a stage actor this test's cluster started
 
     killer = threading.Thread(target=kill_mid_run)
     killer.start()
@@ -52,16 +60,18 @@ def _generate_killing(llm: LLM, rank: int, sig: int = signal.SIGKILL) -> tuple[l
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-graph"])
-def test_a_killed_or_frozen_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
+def test_a_killed_frozen_or_hung_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
     cluster = start_cluster([2, 2])
     try:
         llm = _llm(ray_compiled_graph=compiled)
         clean = _generate(llm)
         engine = llm.engine
-        # compiled graph: stage 0 frozen (SIGSTOP) after stage 1 killed; found by the pings (3 s + 5 s), its
-        # process killed on its node, replaced like a dead one
-        losses = [(1, signal.SIGKILL), (0, signal.SIGKILL)] if not compiled else [(1, signal.SIGKILL),
-                                                                                 (0, signal.SIGSTOP)]
+        # plain: stage 1 hung after both were killed (it answers pings; the step's deadline finds it, and it is
+        # the first stage that had not finished the step); compiled graph: stage 0 frozen (SIGSTOP) after stage 1
+        # was killed: found by the pings (3 s + 5 s). Either is SIGKILLed on its node, then replaced.
+        engine.config = dataclasses.replace(engine.config, step_timeout_s=15)
+        losses = [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, None)] if not compiled else [(1, signal.SIGKILL),
+                                                                                             (0, signal.SIGSTOP)]
         for n, (rank, sig) in enumerate(losses, start=1):
             outputs, victim = _generate_killing(llm, rank, sig)
             assert outputs == clean, f"outputs differ after stage {rank} was replaced"
@@ -69,8 +79,8 @@ def test_a_killed_or_frozen_stage_is_replaced_on_its_host_and_generate_loses_not
             assert stats.recoveries == n and stats.requests_moved > 0
             now = engine.executor.placement[rank]
             assert now["pid"] != victim["pid"] and now["node_id"] == victim["node_id"]  # its host stayed up
-            mode = "compiled graph" if compiled else "plain"
-            print(f"stage {rank} {signal.Signals(sig).name} ({mode}): recovered in {stats.last_phases['total']:.1f}s "
+            mode, how = "compiled graph" if compiled else "plain", signal.Signals(sig).name if sig else "hung"
+            print(f"stage {rank} {how} ({mode}): recovered in {stats.last_phases['total']:.1f}s "
                   f"{stats.last_phases}")
         if compiled:
             assert engine.executor.pipeline is not None  # the graph was rebuilt over the new actor

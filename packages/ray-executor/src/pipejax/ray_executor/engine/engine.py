@@ -267,9 +267,11 @@ class LLMEngine:
                 return future.result(timeout=min(HEALTH_CHECK_AFTER_S, max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
                 if time.monotonic() >= deadline:
-                    raise StepTimeout(
-                        f"step {batch.step_id} did not finish within {self.config.step_timeout_s}s"
-                    ) from None
+                    late = f"step {batch.step_id} did not finish within {self.config.step_timeout_s}s"
+                    hung = self.executor.hung_stages(batch.step_id)
+                    if hung:  # alive, answering pings, and stuck: replaced as a lost stage
+                        raise StagesLost(f"{late}: stage(s) {hung} had not finished it (hung)", hung) from None
+                    raise StepTimeout(late) from None
                 self.executor.check_health()
 
     def _die(self, exc: Exception, revivable: bool = False) -> None:

@@ -102,6 +102,11 @@ class Executor(abc.ABC):
         """The ranks of stages that are gone (none where stages live in the engine's process)."""
         return []
 
+    def hung_stages(self, step_id: int) -> list[int]:
+        """Step ``step_id`` is past its deadline while every stage answers: the stage it waits on (the first that
+        has not finished it), to be replaced as a lost one; [] where that cannot be told."""
+        return []
+
     def recover(self, timeout_s: float, lost: list[int] | None = None) -> dict[str, float]:
         """Replace the stages that are gone (``lost``, else found now) within ``timeout_s``; seconds per phase.
         Executors whose stages live in the engine's own process cannot (their loss is the engine's)."""

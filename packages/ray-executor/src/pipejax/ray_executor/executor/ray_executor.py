@@ -151,6 +151,15 @@ class RayExecutor(Executor):
             raise StageFailedError(f"{self._names(lost)} gone or did not answer a health check within "
                                    f"{HEALTH_TIMEOUT_S:.0f}s; its host may be lost or cut off", lost)
 
+    def hung_stages(self, step_id: int) -> list[int]:
+        try:
+            done = ray.get([a.progress.remote() for a in self.actors], timeout=HEALTH_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            return []  # a stage that does not answer is a lost one: the health check's to find
+        hung = [next(r for r, d in enumerate(done) if d < step_id)] if min(done) < step_id else []
+        self._silent.update(hung)  # alive but stuck: its process is ended before it is replaced
+        return hung
+
     def _names(self, ranks: list[int]) -> str:
         return "; ".join(self._name(r) for r in ranks)
 

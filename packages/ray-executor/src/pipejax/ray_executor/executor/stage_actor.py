@@ -25,6 +25,7 @@ class StageActor:
     def __init__(self):
         self.worker = None
         self.transport = None
+        self.finished_step = -1  # the newest step this stage finished (``progress``)
 
     # --- before JAX -------------------------------------------------------------------------
 
@@ -83,7 +84,10 @@ class StageActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method(*args, **kwargs)`` of this stage's ``StageWorker``: every per-stage call but the
         compiled-graph step goes through here (``Executor.collective_rpc``, ``execute_model``)."""
-        return getattr(self.worker, method)(*args, **kwargs)
+        out = getattr(self.worker, method)(*args, **kwargs)
+        if method == "execute_model":
+            self.finished_step = max(self.finished_step, args[0].step_id)
+        return out
 
     def execute_step(self, incoming):
         """This stage's node in the compiled graph (see compiled_graph.py)."""
@@ -96,6 +100,12 @@ class StageActor:
     @ray.method(concurrency_group="health")
     def ping(self) -> bool:
         return True
+
+    @ray.method(concurrency_group="health")
+    def progress(self) -> int:
+        """The newest step this stage finished, answered while a step runs: a step past its deadline waits on
+        the first stage that has not finished it (``RayExecutor.hung_stages``)."""
+        return self.finished_step
 
     @ray.method(concurrency_group="health")
     def abort_receives(self) -> None:
