@@ -11,7 +11,8 @@
    link and kills its processes, asked through ``driver_checks.ask``): engine 1's requests must move to engine 0
    and finish (the API server sends them again with the tokens they had), engine 0's must finish,
    ``/health`` must say degraded (engine 1 waits to be rebuilt: no host has room), and new requests
-   must still be served. Every wait has a timeout.
+   must still be served. Then the host comes back (a new Ray node on it): engine 1 is rebuilt there,
+   ``/health`` is ok and its completions equal the reference. Every wait has a timeout.
 
 The summary goes to ``summary.json`` in ``--workdir``; exit status 0 when every check passed.
 """
@@ -102,7 +103,7 @@ def main() -> int:
             check(f"engine {rank}'s completions equal the single-host run", got == expected,
                   "" if got == expected else f"got {got}, want {expected}")
         if args.lose_host:
-            lose_engine_host(base, health, hosts, args, check, summary)
+            lose_engine_host(base, health, hosts, args, check, summary, expected)
     except Exception as exc:  # a crash is a failed check, and still gives a summary
         traceback.print_exc()
         check("no unexpected exception", False, f"{type(exc).__name__}: {exc}")
@@ -124,7 +125,8 @@ def main() -> int:
     return 0 if summary["ok"] else 1
 
 
-def lose_engine_host(base: str, health: dict, hosts: list[dict], args, check: Checks, summary: dict) -> None:
+def lose_engine_host(base: str, health: dict, hosts: list[dict], args, check: Checks, summary: dict,
+                     expected: list[str]) -> None:
     victim = health["engines"][1]
     ip = next(h["ip"] for h in hosts if h["name"] == victim["host"])
     results: dict[int, tuple] = {}
@@ -161,6 +163,18 @@ def lose_engine_host(base: str, health: dict, hosts: list[dict], args, check: Ch
     check("/health says degraded", status == 503 and body.get("status") == "degraded", f"{status} {body}")
     status, body = complete(base, "after the loss", 0)
     check("new requests are served", status == 200, f"{status} {body}")
+
+    # The host comes back: the head's rebuild of engine 1 (waiting for room) lands there and it rejoins.
+    t0 = time.monotonic()
+    check("the orchestrator brought the host back", ask(args.workdir, "join", ip=ip) is not None)
+    deadline = time.monotonic() + 180
+    while (status := request(f"{base}/health", timeout=10)[0]) != 200 and time.monotonic() < deadline:
+        time.sleep(1)
+    summary["timings"]["join_to_healthy_s"] = round(time.monotonic() - t0, 1)
+    check("engine 1 is rebuilt and /health is ok", status == 200, f"{status}")
+    got = [complete(base, prompt, 1) for prompt in PROMPTS]
+    texts = [body["choices"][0]["text"] if status == 200 else f"HTTP {status}: {body}" for status, body in got]
+    check("the rebuilt engine 1's completions equal the single-host run", texts == expected, str(texts))
 
 
 if __name__ == "__main__":

@@ -225,7 +225,8 @@ def test_serve_heals_a_lost_stage_host_then_waits_for_a_node_and_serves_again(ne
 def test_serve_data_parallel_engines_on_namespace_hosts(netns_available, teardown_on_sigterm, tmp_path, dpl, lose):
     """`pipejax serve -dp 2 -dpl N -dpb ray` with the API server on the head (pj-h0): -dpl 1 puts engine 1
     on pj-h1 (its own IP), whose loss must move engine 1's requests to engine 0, where they finish, with
-    /health degraded; -dpl 0 puts both engines on pj-h1. Outputs equal a single-host run. (multihost_extra)"""
+    /health degraded, and whose return lets the head rebuild engine 1 there; -dpl 0 puts both engines on pj-h1.
+    Outputs equal a single-host run. (multihost_extra)"""
     hosts = [HostSpec("10.213.0.50", 1), HostSpec("10.213.0.9", 1 if dpl else 2)]
     log_path = tmp_path / "driver.log"
     with NetnsCluster(hosts, prefix=PREFIX) as cluster:
