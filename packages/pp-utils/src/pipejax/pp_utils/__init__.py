@@ -1,5 +1,6 @@
 """pipejax.pp_utils: stage math, intermediate tensors, stage meshes, activation transport, topology."""
 
+from pipejax.pp_utils.balance import PartCosts, balanced_partition
 from pipejax.pp_utils.config import EXECUTOR_BACKENDS, ParallelConfig
 from pipejax.pp_utils.intermediate import (
     IntermediateSpec,
@@ -40,6 +41,8 @@ from pipejax.pp_utils.transport import (
 )
 
 __all__ = [
+    "PartCosts",
+    "balanced_partition",
     "EXECUTOR_BACKENDS",
     "ParallelConfig",
     "DEFAULT_RECEIVE_TIMEOUT_S",
