@@ -5,9 +5,9 @@ from oracle import hf_greedy, make_checkpoint, mixed_prompts
 
 from pipejax.ray_executor import LLM, SamplingParams
 
-LAYOUTS = {  # name: (pp, tp, explicit partition of the 6 layers)
+LAYOUTS = {  # name: (pp, tp, partition of the 6 layers: None even, "auto" balanced by modelled cost, or explicit)
     "pp1tp1": (1, 1, None),
-    "pp2tp1": (2, 1, None),
+    "pp2tp1-auto": (2, 1, "auto"),
     "pp2tp2": (2, 2, None),
     "pp4tp2": (4, 2, None),
     "pp3-uneven": (3, 1, "1,3,2"),
@@ -49,6 +49,9 @@ def run_engine(path, layout: str, num_kv_blocks: int):
         warmup=False,
     )
     try:
+        if partition == "auto":  # resolved once by the engine, to counts every stage gets
+            resolved = llm.engine.config.parallel.pp_layer_partition
+            assert isinstance(resolved, tuple) and sum(resolved) == 6, resolved
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         # tracing is off by default: nothing kept per step
         assert not llm.engine.in_flight_trace and llm.engine.executor.step_trace() == []

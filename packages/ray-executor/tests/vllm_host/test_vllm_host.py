@@ -75,11 +75,12 @@ def workload(seed: int = 0) -> list[list[list[int]]]:
 
 # Each executor once, not the product of layouts and architectures (each engine run takes 1.5-2.5 min cold on
 # 2 CPUs, and two at once take as long as one after the other): `uni`; `mp` with Qwen2's biases split over TP and
-# PP; vLLM's compiled-graph Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) over an uneven 3-stage split,
-# whose graph edges carry only pipejax's step handles; and its default Ray executor under `vllm serve` below.
+# PP (``VLLM_PP_LAYER_PARTITION=auto``: the split balanced by modelled cost); vLLM's compiled-graph Ray executor
+# (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) over an uneven 3-stage split, whose graph edges carry only pipejax's
+# step handles; and its default Ray executor under `vllm serve` below.
 LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split, extra environment)
     pytest.param("LlamaForCausalLM", 1, 2, "uni", None, {}, id="llama-pp1-tp2-uni"),
-    pytest.param("Qwen2ForCausalLM", 2, 2, "mp", None, {}, id="qwen2-pp2-tp2-mp"),
+    pytest.param("Qwen2ForCausalLM", 2, 2, "mp", "auto", {}, id="qwen2-pp2-tp2-mp-auto"),
     pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"},
                  id="llama-pp3-tp2-ray-compiled-graph-uneven"),
 ]
@@ -107,7 +108,9 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
     assert all(len(s["devices"]) == tp for s in stats)  # ... owning its TP devices
     layers = [s["layers"] for s in stats]
-    if partition:
+    if partition == "auto":  # every stage derives the same cost-balanced split
+        assert sum(b - a for a, b in layers) == TINY["num_hidden_layers"]
+    elif partition:
         assert [b - a for a, b in layers] == [int(n) for n in partition.split(",")]
     assert layers[0][0] == 0 and layers[-1][1] == TINY["num_hidden_layers"]
     first = stats[0]

