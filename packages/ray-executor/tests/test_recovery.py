@@ -31,10 +31,6 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _hang(actor_self) -> None:
-    time.sleep(3600)  # runs on the stage actor's step thread: its steps wait behind it, its pings still answer
-
-
 def _generate_killing(llm: LLM, rank: int, sig: int | None = signal.SIGKILL) -> tuple[list[list[int]], dict]:
     """``LLM.generate`` over PROMPTS while the process of stage ``rank`` gets ``sig`` (SIGKILL: it dies; SIGSTOP:
     it freezes, answering nothing; None: its step thread hangs while it answers pings) once the requests have a
@@ -47,8 +43,9 @@ def _generate_killing(llm: LLM, rank: int, sig: int | None = signal.SIGKILL) -> 
         while time.monotonic() < deadline and not any(len(r.output_token_ids) >= 3 for r in
                                                       list(engine.scheduler.running)):
             time.sleep(0.005)
-        if sig is None:
-            engine.executor.actors[rank].__ray_call__.remote(_hang)
+        if sig is None:  # on the stage actor's step thread: its steps wait behind it, its pings still answer
+            # (a lambda travels by value: the actor cannot import this test module)
+            engine.executor.actors[rank].__ray_call__.remote(lambda actor_self: time.sleep(3600))
         else:
             os.kill(victim["pid"], sig)  # a stage actor this test's cluster started
 
@@ -66,13 +63,15 @@ def test_a_killed_frozen_or_hung_stage_is_replaced_on_its_host_and_generate_lose
         llm = _llm(ray_compiled_graph=compiled)
         clean = _generate(llm)
         engine = llm.engine
-        # plain: stage 1 hung after both were killed (it answers pings; the step's deadline finds it, and it is
-        # the first stage that had not finished the step); compiled graph: stage 0 frozen (SIGSTOP) after stage 1
-        # was killed: found by the pings (3 s + 5 s). Either is SIGKILLed on its node, then replaced.
-        engine.config = dataclasses.replace(engine.config, step_timeout_s=15)
+        # plain: stage 1 hung after both were killed (it answers pings; the step's deadline, 30 s for that run,
+        # finds it, and it is the first stage that had not finished the step); compiled graph: stage 0 frozen
+        # (SIGSTOP) after stage 1 was killed: found by the pings (3 s + 5 s). Either is SIGKILLed on its node,
+        # then replaced.
         losses = [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, None)] if not compiled else [(1, signal.SIGKILL),
                                                                                              (0, signal.SIGSTOP)]
         for n, (rank, sig) in enumerate(losses, start=1):
+            if sig is None:
+                engine.config = dataclasses.replace(engine.config, step_timeout_s=30)
             outputs, victim = _generate_killing(llm, rank, sig)
             assert outputs == clean, f"outputs differ after stage {rank} was replaced"
             stats = engine.recovery
@@ -114,7 +113,7 @@ def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one_t
     cluster = start_cluster([2, 2, 2])
     nodes = list(cluster.worker_nodes)
     try:
-        llm = _llm(recovery_timeout=15)
+        llm = _llm(recovery_timeout=30)
         engine = llm.engine
         clean = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:16], SamplingParams(
             temperature=0, max_tokens=200, ignore_eos=True))]
@@ -135,11 +134,11 @@ def test_a_lost_host_moves_its_stage_to_a_spare_then_fails_by_name_without_one_t
         rank = next(r for r, p in enumerate(engine.executor.placement) if p["node_id"] in workers)
         ids, victim, lost_at = _start_losing_host(cluster, nodes, llm, rank=rank)
         with pytest.raises(EngineDeadError, match=rf"recovery failed: RecoveryFailedError: no node could take "
-                                                  rf"stage {rank} .* within 15s") as err:
+                                                  rf"stage {rank} .* within 30s") as err:
             while engine.has_unfinished_requests():
                 engine.step()
         waited = time.monotonic() - lost_at
-        assert waited < 15 + 30, waited  # detection + the recovery timeout, never a hang
+        assert waited < 30 + 30, waited  # detection + the recovery timeout, never a hang
         failed = {o.request_id: o.outputs[0] for o in err.value.failed_outputs}
         assert set(ids) <= set(failed) and all(failed[i].finish_reason == "error" for i in ids)
         assert err.value.revivable

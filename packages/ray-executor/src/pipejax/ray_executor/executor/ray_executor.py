@@ -32,7 +32,6 @@ from pipejax.runner.batch import ModelBatch, SamplerOutput
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 5.0  # a stage that does not answer a ping (its health thread) within this is lost
-KILL_TIMEOUT_S = 3.0  # for the SIGKILL of a lost stage's process on a node still up (a frozen one)
 REPLACE_RETRY_S = 1.0  # between tries to start a lost stage's replacement while its host is not yet marked dead
 
 
@@ -198,16 +197,17 @@ class RayExecutor(Executor):
         deadline = time.monotonic() + timeout_s
         phases: dict[str, float] = {}
         mark = time.monotonic()
+        self._end_silent(lost or [])  # a frozen stage must be ending before a compiled graph's teardown waits on it
+        if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
+            self.pipeline.teardown(kill_actors=False)
+            self.pipeline = None
         lost = lost or self.lost_stages()
         phases["find"], mark = time.monotonic() - mark, time.monotonic()
         if not lost:
             raise NoStageLost("a step failed but every stage answers: no stage is lost, so none is replaced")
         names = [self._name(r) for r in lost]
         log.warning("recovering: replacing %s", self._names(lost))
-        end_stage_processes([self.placement[r] for r in lost if r in self._silent], KILL_TIMEOUT_S)
-        if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
-            self.pipeline.teardown(kill_actors=False)
-            self.pipeline = None
+        self._end_silent(lost)
         for rank in lost:
             ray.kill(self.actors[rank], no_restart=True)
         live = [r for r in range(len(self.actors)) if r not in lost]
@@ -238,6 +238,14 @@ class RayExecutor(Executor):
         phases["connect"] = time.monotonic() - mark
         log.warning("recovered: %s", self._names(lost))
         return phases
+
+    def _end_silent(self, lost: list[int]) -> None:
+        """SIGKILL (``end_stage_processes``, not waited for) the lost stages that did not answer a ping or hung:
+        their processes may live on where Ray's own kill request is never read."""
+        silent = [r for r in lost if r in self._silent]
+        self._silent -= set(silent)
+        if silent:
+            end_stage_processes([self.placement[r] for r in silent])
 
     def _replace(self, rank: int, others: list[dict], name: str, deadline: float, timeout_s: float):
         """A new actor and placement for the lost stage ``rank``. Until Ray marks a lost host dead, its bundle

@@ -217,15 +217,16 @@ def _stage_actor(pg: PlacementGroup, bundle: int, units: StageUnits):
     ).remote()
 
 
-def end_stage_processes(placements: list[dict], timeout_s: float) -> None:
-    """SIGKILL the processes of lost stages whose nodes are still up, through a task on each node: a frozen
-    process (stopped, or stuck where Ray's own kill request is never read) keeps its bundle and, in a compiled
-    graph, holds the teardown; one on a node that cannot be reached is left to Ray, which moves its bundle once
-    it declares the node dead. Waits up to ``timeout_s``."""
+def end_stage_processes(placements: list[dict]) -> None:
+    """SIGKILL the processes of lost stages whose nodes are still up, through a task on each node, without
+    waiting for it: a frozen process (stopped, or stuck where Ray's own kill request is never read) keeps its
+    bundle and, in a compiled graph, holds the teardown until it dies; one on a node that cannot be reached is
+    left to Ray, which moves its bundle once it declares the node dead."""
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-    kills = [_kill_stage_process.options(scheduling_strategy=NodeAffinitySchedulingStrategy(p["node_id"], soft=False))
-             .remote(p["pid"]) for p in placements if p["node_id"] in alive]
-    ray.wait(kills, num_returns=len(kills), timeout=timeout_s)
+    for p in placements:
+        if p["node_id"] in alive:
+            strategy = NodeAffinitySchedulingStrategy(p["node_id"], soft=False)
+            _kill_stage_process.options(scheduling_strategy=strategy).remote(p["pid"])
 
 
 @ray.remote(num_cpus=0, max_retries=0)
