@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
-from pipejax.pp_utils import stage_layer_range
+from pipejax.pp_utils import PartCosts, balanced_partition, stage_layer_range
+
+log = logging.getLogger(__name__)
+
+AUTO_PARTITION = "auto"  # the --pp-layer-partition value that asks for a split balanced by cost
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -107,6 +112,23 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def part_costs(self) -> PartCosts:
+        """What each part of a decode step costs, modelled from the model's shape (``--pp-layer-partition auto``).
+
+        A decode step reads every weight of its stage once (for all its rows) and does ~2 FLOPs per weight per
+        row, so both its memory traffic and its arithmetic grow with the parameters a part holds: a part's
+        modelled time is its parameter count, and its memory those parameters' bytes. The first stage's embedding
+        is a lookup (memory, no time); the last stage's final norm and LM head (the tied embedding, where tied)
+        are a full matmul. Attention's KV reads grow with the context and are left out: at the contexts this
+        machine serves they are small beside the weights. A model, not a measurement."""
+        h, heads, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * heads + 2 * h * kv + heads * h + (heads + 2 * kv if self.qkv_bias else 0)
+        layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        table, size, n = self.vocab_size * h, 2 if self.dtype == "bfloat16" else 4, self.num_layers
+        return PartCosts(layer_time=(float(layer),) * n, layer_bytes=(float(layer * size),) * n,
+                         first_time=0.0, first_bytes=float(table * size),
+                         last_time=float(table + h), last_bytes=float((table + h) * size))
+
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
         """From a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one)."""
@@ -131,6 +153,19 @@ def _hf_dtype(hf: dict) -> str:
     return name
 
 
+def auto_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
+    """The layer counts per stage that balance the modelled stage costs (``ModelConfig.part_costs``)."""
+    costs = model.part_costs()
+    counts = balanced_partition(costs, pp)
+    start, times = 0, []
+    for rank, count in enumerate(counts):
+        times.append(costs.stage_time(start, start + count, pp, rank) / 1e6)
+        start += count
+    log.info("pp layer partition auto: %s (modelled from the weights each stage reads per step: %s M parameters)",
+             ",".join(map(str, counts)), ", ".join(f"{t:.1f}" for t in times))
+    return counts
+
+
 @dataclasses.dataclass(frozen=True)
 class StageConfig:
     """Which part of the model this stage runs."""
@@ -149,9 +184,7 @@ class StageConfig:
 
     def layer_range(self, model: ModelConfig) -> range:
         partition = self.partition
-        if partition == "auto":  # balanced by modelled cost; every stage computes the same split
-            from pipejax.runner.stage_costs import auto_partition
-
+        if partition == AUTO_PARTITION:  # balanced by modelled cost; every stage computes the same split
             partition = auto_partition(model, self.pp_size)
         return stage_layer_range(model.num_layers, self.pp_rank, self.pp_size, partition)
 

@@ -2,8 +2,7 @@
 
 import dataclasses
 
-from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.stage_costs import auto_partition, part_costs
+from pipejax.runner.config import ModelConfig, StageConfig, auto_partition
 
 SMOLLM2_135M = ModelConfig(  # SmolLM2-135M-Instruct's config.json, as from_hf converts it
     architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -13,11 +12,11 @@ SMOLLM2_135M = ModelConfig(  # SmolLM2-135M-Instruct's config.json, as from_hf c
 
 
 def test_smollm2_parts_cost_what_their_weights_hold():
-    costs = part_costs(SMOLLM2_135M)
+    costs = SMOLLM2_135M.part_costs()
     assert costs.layer_time[0] == 3_538_944 + 2 * 576  # q, k, v, o, gate, up, down; two norms: 3.54M parameters
     assert costs.last_time == 49152 * 576 + 576  # the tied LM head (28.3M) and the final norm
     assert costs.first_time == 0 and costs.first_bytes == 49152 * 576 * 4  # a lookup: memory, no time
-    bf16 = part_costs(dataclasses.replace(SMOLLM2_135M, dtype="bfloat16"))
+    bf16 = dataclasses.replace(SMOLLM2_135M, dtype="bfloat16").part_costs()
     assert bf16.layer_bytes[0] == costs.layer_bytes[0] / 2
 
 
