@@ -87,6 +87,7 @@ def test_engine_across_namespace_hosts(netns_available, teardown_on_sigterm, tmp
     run_and_check(tmp_path, HOSTS, pp=3, tp=2, expect_order=EXPECT_ORDER, victim_rank=VICTIM_RANK)
 
 
+@pytest.mark.extra  # the default run heals through `pipejax serve` (below); this one cuts the link alone
 def test_a_lost_host_heals_onto_a_spare(netns_available, teardown_on_sigterm, tmp_path):
     """pp=2 x tp=2 over three namespace hosts of 2 devices: stage 0 on the head, stage 1 on one worker, the
     other worker spare. With 8 requests in flight the host of stage 1 is cut off (its link alone: its processes
