@@ -94,3 +94,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_server(server: subprocess.Popen | None) -> float | None:
+    """SIGTERM a server this driver started, SIGKILL it after 60 s; the seconds it took (None: not running)."""
+    if server is None or server.poll() is not None:
+        return None
+    t0 = time.monotonic()
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(timeout=10)
+    return round(time.monotonic() - t0, 1)

@@ -36,7 +36,15 @@ import urllib.request
 from pathlib import Path
 
 import openai
-from driver_checks import Checks, ask, ask_for, free_port, request, wait_healthy  # run as a script: on sys.path
+from driver_checks import (  # run as a script: on sys.path
+    Checks,
+    ask,
+    ask_for,
+    free_port,
+    request,
+    stop_server,
+    wait_healthy,
+)
 
 PROMPTS = [f"stream {i} goes on" for i in range(16)]
 MAX_TOKENS = 64
@@ -161,13 +169,7 @@ def main() -> int:
         traceback.print_exc()
         check("no unexpected exception", False, f"{type(exc).__name__}: {exc}")
     finally:
-        if server is not None and server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
+        stop_server(server)
         log.close()
     summary["checks"], summary["notes"] = check.results, check.notes
     summary["ok"] = all(check.results.values())

@@ -29,7 +29,14 @@ import time
 import traceback
 from pathlib import Path
 
-from driver_checks import Checks, ask, free_port, request, wait_healthy  # this folder is on sys.path: run as a script
+from driver_checks import (  # this folder is on sys.path: run as a script
+    Checks,
+    ask,
+    free_port,
+    request,
+    stop_server,
+    wait_healthy,
+)
 
 PROMPTS = ["Hello, pipejax!", "The quick brown fox", "pipelines", "hosts and ranks"]
 MAX_TOKENS = 8
@@ -108,15 +115,7 @@ def main() -> int:
         traceback.print_exc()
         check("no unexpected exception", False, f"{type(exc).__name__}: {exc}")
     finally:
-        if server is not None and server.poll() is None:
-            t0 = time.monotonic()
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
-            summary["timings"]["server_stop_s"] = round(time.monotonic() - t0, 1)
+        summary["timings"]["server_stop_s"] = stop_server(server)
         log.close()
     summary["checks"], summary["notes"] = check.results, check.notes
     summary["ok"] = all(check.results.values())
