@@ -35,7 +35,7 @@ HEALTH_TIMEOUT_S = 5.0  # a stage that does not answer a ping (its health thread
 REPLACE_RETRY_S = 1.0  # between tries to start a lost stage's replacement while its host is not yet marked dead
 # One try to start a replacement. Once in CI (compiled graph, a stage SIGKILLed on a live host, the driver told the
 # actor was "temporarily unavailable" rather than dead) the replacement did not start in 120 s; the cause was not
-# found in ~10 local repeats, and a fresh actor in the same bundle is cheap to try.
+# found in 7 local repeats, and a fresh actor in the same bundle is cheap to try.
 REPLACE_TRY_S = 30.0
 
 
