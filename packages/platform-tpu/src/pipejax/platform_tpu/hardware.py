@@ -32,18 +32,22 @@ class TpuGeneration:
     cores_per_chip: int  # TensorCores JAX shows as separate devices; megacore chips (v4, v5p) count 1
     chips_per_host: int  # chips of a full host
     type_counts_cores: bool  # the accelerator type's number counts TensorCores (v4-8 = 4 chips), not chips
+    # Published per-chip figures (Cloud TPU's system-architecture pages), for planning layouts (`pipejax plan`)
+    hbm_gb: float = 0.0  # HBM per chip, 1e9 bytes
+    bf16_tflops: float = 0.0  # peak bf16 matmul rate per chip
+    hbm_gb_s: float = 0.0  # HBM bandwidth per chip, 1e9 bytes/s
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
     g.name: g
     for g in (
-        TpuGeneration("v2", cores_per_chip=2, chips_per_host=4, type_counts_cores=True),
-        TpuGeneration("v3", cores_per_chip=2, chips_per_host=4, type_counts_cores=True),
-        TpuGeneration("v4", cores_per_chip=1, chips_per_host=4, type_counts_cores=True),
-        TpuGeneration("v5p", cores_per_chip=1, chips_per_host=4, type_counts_cores=True),
-        TpuGeneration("v5e", cores_per_chip=1, chips_per_host=8, type_counts_cores=False),
-        TpuGeneration("v6e", cores_per_chip=1, chips_per_host=8, type_counts_cores=False),
-        TpuGeneration("v7x", cores_per_chip=2, chips_per_host=4, type_counts_cores=True),
+        TpuGeneration("v2", 2, 4, True, hbm_gb=17.2, bf16_tflops=45, hbm_gb_s=700),
+        TpuGeneration("v3", 2, 4, True, hbm_gb=34.4, bf16_tflops=123, hbm_gb_s=900),
+        TpuGeneration("v4", 1, 4, True, hbm_gb=34.4, bf16_tflops=275, hbm_gb_s=1228),
+        TpuGeneration("v5p", 1, 4, True, hbm_gb=95, bf16_tflops=459, hbm_gb_s=2765),
+        TpuGeneration("v5e", 1, 8, False, hbm_gb=16, bf16_tflops=197, hbm_gb_s=819),
+        TpuGeneration("v6e", 1, 8, False, hbm_gb=32, bf16_tflops=918, hbm_gb_s=1640),
+        TpuGeneration("v7x", 2, 4, True, hbm_gb=192, bf16_tflops=2307, hbm_gb_s=7370),
     )
 }
 # PCI device id -> generation (v2 and v3 share 0x0027 and differ by subsystem id).

@@ -94,7 +94,80 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     bench_serve = bench_sub.add_parser("serve", help="online benchmark against a running `pipejax serve`")
     add_bench_serve_args(bench_serve)
+    _add_plan_args(sub.add_parser("plan", help="rank every pp x tp x dp layout of a model on some hosts, predicted "
+                                  "from FLOPs and bytes; print the command that serves the best"))
     return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="as for serve: checkpoint folder, .gguf file, 'builtin' or none "
+                   "(SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
+    p.add_argument("--hosts", type=int, default=1, help="identical hosts (default 1)")
+    p.add_argument("--tpu", default=None, metavar="GENERATION",
+                   help="plan for TPU hosts of this generation (v4, v5e, v5p, v6e, v7x...), from its published "
+                        "figures; default: this host's CPU, measured, with its simulated devices")
+    p.add_argument("--chips-per-host", type=int, default=None,
+                   help="default: the generation's full host; on CPU, the simulated devices (XLA_FLAGS, else 8)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="memory per device (on CPU: per host), replacing the published or measured figure")
+    p.add_argument("--device-tflops", type=float, default=None, help="peak rate per device (on CPU: per host)")
+    p.add_argument("--device-bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth per device in GB/s (on CPU: per host)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output length")
+    p.add_argument("--concurrency", type=int, default=64, help="requests served at once, all engines together")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write every layout and the commands here")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from pipejax.platform_tpu.hardware import Hardware, generation, parse_host_device_count
+    from pipejax.ray_executor import plan
+    from pipejax.ray_executor.engine_args import resolve_model
+    from pipejax.runner.config import ModelConfig
+
+    if args.hosts < 1:
+        raise ValueError(f"--hosts {args.hosts}: a plan needs at least one host")
+    model_path = resolve_model(args.model)
+    model = ModelConfig.from_pretrained(model_path, dtype=args.dtype)
+    work = plan.Workload(max_model_len=args.max_model_len or args.prompt_len + args.output_len,
+                         concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len)
+    if args.tpu:
+        gen = generation(args.tpu)
+        hw = Hardware("tpu", num_hosts=args.hosts, chips_per_host=args.chips_per_host or gen.chips_per_host,
+                      generation=gen.name)
+        device = plan.tpu_device(hw)
+    else:
+        import os
+
+        devices = args.chips_per_host or parse_host_device_count(os.environ.get("XLA_FLAGS", "")) or 8
+        hw = Hardware("cpu", num_hosts=args.hosts, chips_per_host=devices)
+        device = None
+    given = {"memory_bytes": args.device_memory_gib and args.device_memory_gib * plan.GIB,
+             "flops": args.device_tflops and args.device_tflops * 1e12,
+             "bandwidth": args.device_bandwidth_gbs and args.device_bandwidth_gbs * 1e9}
+    if device is None and all(given.values()):  # CPU hosts described in full: nothing to measure
+        device = plan.DeviceSpec(**given, source="given", shared_host=True, step_overhead_s=plan.CPU_STEP_OVERHEAD_S)
+    elif any(given.values()):
+        device = device or plan.measure_cpu_host()
+        device = dataclasses.replace(device, **{k: v for k, v in given.items() if v},
+                                     source=f"{device.source}; given: {', '.join(k for k, v in given.items() if v)}")
+    device = device or plan.measure_cpu_host()
+    found = plan.plan(model, hw, device, work)
+    print(f"{len(found)} layouts of {model.num_layers} layers on {hw.describe()}\ndevices: {device.source}\n"
+          f"workload: {work.concurrency} requests at once, {work.prompt_len} tokens in, {work.output_len} out "
+          f"(modelled from FLOPs and bytes, not measured)\n")
+    print(plan.table(found, args.top))
+    best = plan.commands(found[0], args.model, model_path, work)
+    print(f"\nbest: pp={found[0].pp} tp={found[0].tp} dp={found[0].dp}\n  {best['pipejax']}\n  {best['vllm']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json(found, device, hw, work, best))
+    return 0
 
 
 def _llm(args: argparse.Namespace, warmup: bool = True):
@@ -173,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench_serve(args)
     try:
+        if args.command == "plan":  # no engine: the model's config and the hosts' figures
+            return cmd_plan(args)
         configure_devices(args)
         if args.command == "serve":
             from pipejax.ray_executor.serving.serve import run_serve

@@ -1,0 +1,318 @@
+"""``pipejax plan``: every valid pp x tp x dp layout of a model on some hosts, each with its predicted stage step
+times, bubble, KV blocks, throughput and latency, ranked; and the command that serves the best one.
+
+A model from FLOPs and bytes, not a measurement. Each stage's decode step is a roofline: the larger of its
+arithmetic at the device's peak rate and its memory traffic (its weights once, plus the KV its rows read) at the
+device's bandwidth, plus two all-reduces per layer where tp > 1 and a fixed cost per step (dispatch, the
+activation's hop). Layers are split by ``balanced_partition`` over the model's modelled part costs
+(``ModelConfig.part_costs``), within each stage's memory. With ``k`` batches in flight (at most pp, at most the
+rows an engine runs) a round of k steps takes ``max(k x slowest stage, one batch's trip through every stage)``;
+the stages are busy for ``k x sum(stage times) / pp`` of it, and the rest is the bubble.
+
+Where the devices come from: a TPU generation's published per-chip figures (``TpuGeneration``), or, for the
+CPU's simulated devices, this host measured (a resident matmul and a resident read), shared by the devices
+a layout uses on it. Either can be overridden (``--device-memory-gib``, ``--device-tflops``,
+``--device-bandwidth-gbs``) to plan for hosts not at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+from pipejax.platform_tpu.hardware import Hardware
+from pipejax.platform_tpu.layout import LayoutError, check_layout
+from pipejax.pp_utils.balance import PartCosts, balanced_partition
+from pipejax.pp_utils.config import ParallelConfig
+from pipejax.runner.config import ModelConfig
+
+GIB = 2**30
+COLLECTIVE_S = 10e-6  # one all-reduce of a decode step's rows: latency-bound on every interconnect
+TPU_STEP_OVERHEAD_S = 0.5e-3  # per stage step: the dispatch and the activation's hop (driver -> stages)
+CPU_STEP_OVERHEAD_S = 2e-3  # the same through Ray on a CPU host (BENCHMARKS.md: plain Ray steps of 1.5-3 ms)
+MAX_HOSTS_TRIED = 4096  # when nothing fits: the smallest number of such hosts that would
+USABLE_MEMORY = 0.9  # of a stage's memory, for weights and KV together (the rest: XLA's workspace, activations)
+BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the layout must serve: ``concurrency`` requests at once over all engines, each of ``prompt_len``
+    tokens in and ``output_len`` out, none longer than ``max_model_len``."""
+
+    max_model_len: int
+    concurrency: int = 64
+    prompt_len: int = 512
+    output_len: int = 128
+
+    def __post_init__(self):
+        for name in ("max_model_len", "concurrency", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.prompt_len + self.output_len > self.max_model_len:
+            raise ValueError(f"prompt_len + output_len = {self.prompt_len + self.output_len} exceeds max_model_len="
+                             f"{self.max_model_len}; raise --max-model-len or shorten the workload")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One device: its memory, peak rate and bandwidth. ``shared_host``: the devices of a host share one pool of
+    cores, bandwidth and RAM (simulated CPU devices): a layout's stages on a host split the host's rates by the
+    devices they use, and the memory figures are the host's."""
+
+    memory_bytes: float
+    flops: float
+    bandwidth: float
+    source: str
+    shared_host: bool = False
+    step_overhead_s: float = TPU_STEP_OVERHEAD_S
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutPrediction:
+    pp: int
+    tp: int
+    dp: int
+    partition: tuple[int, ...]
+    stage_time_s: tuple[float, ...]  # one decode step of one batch in flight, per stage
+    stage_weight_bytes: tuple[float, ...]  # the stage's weights over all its devices
+    kv_blocks: int  # per stage (the fullest stage's share)
+    rows: int  # requests an engine runs at once (its share of the concurrency, as its KV allows)
+    in_flight: int  # batches in flight per engine
+    bubble: float  # share of stage time idle
+    throughput: float  # output tokens/s, every engine together
+    tpot_s: float  # time per output token of one request
+    ttft_s: float  # the prompt's prefill through every stage, alone
+    backend: str
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.tp * self.dp
+
+
+def tpu_device(hw: Hardware) -> DeviceSpec:
+    """A TPU device (a chip's TensorCore as JAX shows it) from the generation's published figures."""
+    from pipejax.platform_tpu.hardware import generation
+
+    gen = generation(hw.generation or "v5e")
+    cores = gen.cores_per_chip
+    return DeviceSpec(memory_bytes=gen.hbm_gb * 1e9 / cores, flops=gen.bf16_tflops * 1e12 / cores,
+                      bandwidth=gen.hbm_gb_s * 1e9 / cores,
+                      source=f"TPU {gen.name}, published per-chip figures ({gen.hbm_gb:g} GB HBM, "
+                             f"{gen.bf16_tflops:g} bf16 TFLOP/s, {gen.hbm_gb_s:g} GB/s)")
+
+
+def measure_cpu_host(seconds: float = 0.3) -> DeviceSpec:
+    """This host, measured: fp32 matmul rate (1024^3, resident operands) and read bandwidth (a resident 256 MiB
+    array summed), each the best of repeated runs after a warm-up; its available RAM. Shared by its devices."""
+    import jax
+    import jax.numpy as jnp
+
+    def best(fn, *args) -> float:
+        fn(*args).block_until_ready()
+        times, end = [], time.monotonic() + seconds
+        while time.monotonic() < end or len(times) < 3:
+            t = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    n = 1024
+    a = jnp.ones((n, n), jnp.float32) + 0  # materialised before timing
+    flops = 2 * n**3 / best(jax.jit(jnp.matmul), a, a)
+    big = jnp.ones((64, 1 << 20), jnp.float32) + 0
+    bandwidth = big.nbytes / best(jax.jit(jnp.sum), big)
+    memory = _available_ram()
+    return DeviceSpec(memory_bytes=memory, flops=flops, bandwidth=bandwidth, shared_host=True,
+                      step_overhead_s=CPU_STEP_OVERHEAD_S,
+                      source=f"this host, measured: {flops / 1e9:.0f} fp32 GFLOP/s, {bandwidth / 1e9:.1f} GB/s read, "
+                             f"{memory / GIB:.1f} GiB RAM available")
+
+
+def _available_ram() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def plan(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload,
+         memory_fraction: float = USABLE_MEMORY) -> list[LayoutPrediction]:
+    """Every layout of ``model`` that fits ``hw``, best first (output tokens/s, then time per token).
+    ``memory_fraction``: the share of a stage's memory that weights and KV may take together. Raises
+    ``ValueError`` naming the smallest resources that would fit where no layout does."""
+    if work.max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len={work.max_model_len} exceeds the model's {model.max_position_embeddings} "
+                         f"positions; use --max-model-len <= {model.max_position_embeddings}")
+    found, reasons = [], []
+    for pp, tp, dp, backend in _candidates(model, hw, reasons):
+        try:
+            found.append(_predict(model, hw, device, work, pp, tp, dp, backend, memory_fraction))
+        except ValueError as exc:
+            reasons.append(f"pp={pp} tp={tp} dp={dp}: {exc}")
+    if not found:
+        raise ValueError(_nothing_fits(model, hw, device, work, memory_fraction, reasons))
+    return sorted(found, key=lambda p: (-p.throughput, p.tpot_s, p.devices))
+
+
+def _candidates(model: ModelConfig, hw: Hardware, reasons: list[str]):
+    from pipejax.runner.model import kv_heads_for_tp
+
+    for tp in range(1, hw.devices_per_host + 1):
+        try:
+            kv_heads_for_tp(model, tp)
+        except ValueError as exc:
+            reasons.append(str(exc))
+            continue
+        for pp in range(1, min(model.num_layers, hw.total_devices // tp) + 1):
+            for dp in range(1, hw.total_devices // (pp * tp) + 1):
+                try:
+                    checked = check_layout(ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                                          data_parallel_size=dp), hw)
+                except LayoutError:
+                    break  # a larger dp fits no better
+                yield pp, tp, dp, checked.distributed_executor_backend
+
+
+def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload, pp: int, tp: int, dp: int,
+             backend: str, memory_fraction: float) -> LayoutPrediction:
+    costs = model.part_costs()
+    share = _host_share(hw, device, pp, tp, dp)  # of one device's figures a stage's device gets
+    stage_memory = device.memory_bytes * tp * (share if device.shared_host else 1.0) * memory_fraction
+    kv_token_layer = _kv_bytes_per_token(model, tp) / model.num_layers
+    # room beside the weights for one longest request's KV, on a stage of an even share of the layers
+    limit = stage_memory - kv_token_layer * work.max_model_len * math.ceil(model.num_layers / pp)
+    partition = balanced_partition(costs, pp, max(limit, 0.0))
+    bounds = [sum(partition[:r]) for r in range(pp + 1)]
+    weights = tuple(costs.stage_bytes(bounds[r], bounds[r + 1], pp, r) for r in range(pp))
+    kv_room = min((stage_memory - weights[r]) / (kv_token_layer * partition[r]) for r in range(pp))  # tokens
+    kv_blocks = int(kv_room // BLOCK_SIZE)
+    context = work.prompt_len + work.output_len
+    blocks_per_request = math.ceil(context / BLOCK_SIZE)
+    wanted = math.ceil(work.concurrency / dp)
+    rows = min(wanted, kv_blocks // blocks_per_request)
+    if rows < 1:
+        raise ValueError(f"no room for one request's KV ({context} tokens) beside the weights")
+    in_flight = min(pp, rows)
+    batch = math.ceil(rows / in_flight)
+    mean_context = work.prompt_len + work.output_len / 2
+    flops, bandwidth = device.flops * tp * share, device.bandwidth * tp * share
+    times = tuple(_stage_step(costs, model, bounds[r], bounds[r + 1], pp, r, tp, batch, mean_context, flops,
+                              bandwidth, device.step_overhead_s) for r in range(pp))
+    rnd = max(in_flight * max(times), sum(times))  # k batches' steps, or one batch's trip through every stage
+    bubble = 1 - in_flight * sum(times) / (pp * rnd)
+    prefill = sum(max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * work.prompt_len / flops,
+                      (weights[r] - (costs.first_bytes if r == 0 else 0.0)) / bandwidth) + device.step_overhead_s
+                  for r in range(pp))
+    return LayoutPrediction(pp, tp, dp, partition, times, weights, kv_blocks, rows, in_flight, bubble,
+                            throughput=min(work.concurrency, dp * rows) / rnd, tpot_s=rnd, ttft_s=prefill,
+                            backend=backend)
+
+
+def _host_share(hw: Hardware, device: DeviceSpec, pp: int, tp: int, dp: int) -> float:
+    """On a shared host, how many devices' worth of its rates one stage device gets: the host's rates split over
+    the devices the layout uses on it (all of them: a layout of 2 devices on an 8-device host gets 4x each)."""
+    if not device.shared_host:
+        return 1.0
+    used = min(pp * tp * dp, hw.devices_per_host) if hw.num_hosts == 1 else min(
+        hw.devices_per_host, math.ceil(pp * tp * dp / hw.num_hosts))
+    return 1.0 / used
+
+
+def _kv_bytes_per_token(model: ModelConfig, tp: int = 1) -> float:
+    """K and V of one token over every layer and every device of a stage (KV heads repeat where tp exceeds
+    them)."""
+    size = 2 if model.dtype == "bfloat16" else 4
+    return 2 * model.num_layers * max(model.num_kv_heads, tp) * model.head_dim * size
+
+
+def _stage_params(costs: PartCosts, start: int, stop: int, pp: int, rank: int) -> float:
+    return costs.stage_time(start, stop, pp, rank)  # the modelled time is the parameters a step multiplies by
+
+
+def _stage_step(costs: PartCosts, model: ModelConfig, start: int, stop: int, pp: int, rank: int, tp: int,
+                rows: int, context: float, flops: float, bandwidth: float, overhead: float) -> float:
+    layers = stop - start
+    params = _stage_params(costs, start, stop, pp, rank)
+    attention = 4 * rows * context * model.num_heads * model.head_dim * layers
+    kv_read = rows * context * _kv_bytes_per_token(model, tp) / model.num_layers * layers
+    compute = (2 * params * rows + attention) / flops
+    lookup = costs.first_bytes if rank == 0 else 0.0  # the embedding is a lookup: a step reads rows of it
+    memory = (costs.stage_bytes(start, stop, pp, rank) - lookup + kv_read) / bandwidth
+    collectives = 2 * layers * COLLECTIVE_S if tp > 1 else 0.0
+    return max(compute, memory) + collectives + overhead
+
+
+def _nothing_fits(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload, memory_fraction: float,
+                  reasons: list[str]) -> str:
+    if reasons and all("tensor_parallel_size" in r and "divide" in r for r in reasons):
+        return f"no tensor-parallel size fits {hw.describe()}: {reasons[0]}"
+    costs = model.part_costs()
+    weights = costs.stage_bytes(0, model.num_layers, 1, 0)
+    kv = _kv_bytes_per_token(model) * (work.prompt_len + work.output_len)
+    what = (f"{model.num_layers} layers, {weights / GIB:.2f} GiB of weights + {kv / GIB:.2f} GiB of KV for one "
+            f"request of {work.prompt_len + work.output_len} tokens")
+    hosts = hw.num_hosts * 2
+    while hosts <= MAX_HOSTS_TRIED:
+        bigger = dataclasses.replace(hw, num_hosts=hosts)
+        try:
+            best = plan(model, bigger, device, work, memory_fraction)[0]
+        except ValueError:
+            hosts *= 2
+            continue
+        low = hosts // 2 + 1
+        while low < hosts:  # the fewest hosts between the last that failed and the first that fits
+            mid = (low + hosts) // 2
+            try:
+                best = plan(model, dataclasses.replace(hw, num_hosts=mid), device, work, memory_fraction)[0]
+                hosts = mid
+            except ValueError:
+                low = mid + 1
+        return (f"no layout fits {hw.describe()} ({what}); the smallest that would: {hosts} such hosts "
+                f"(pp={best.pp} tp={best.tp}), or devices with more memory")
+    return f"no layout fits {hw.describe()} ({what}), nor {MAX_HOSTS_TRIED} such hosts: use devices with more memory"
+
+
+def commands(best: LayoutPrediction, model_arg: str | None, model_path: str, work: Workload) -> dict[str, str]:
+    """The exact commands that serve ``best``: pipejax's own server (its KV blocks given: the engine's own sizing
+    rule need not be the plan's) and vLLM on pipejax's stages (vLLM sizes the cache itself). ``model_arg``: the
+    model as the user named it (None: the default), ``model_path`` the file or folder it resolved to."""
+    split = ",".join(map(str, best.partition))
+    ray = " --distributed-executor-backend ray" if best.backend == "ray" else ""
+    limits = f" --max-model-len {work.max_model_len} --max-num-seqs {best.rows}"
+    pipejax = (f"pipejax serve{f' --model {model_arg}' if model_arg else ''} -pp {best.pp} -tp {best.tp} -dp {best.dp}"
+               + (f" --pp-layer-partition {split}" if best.pp > 1 else "") + ray + limits
+               + f" --num-kv-blocks {best.kv_blocks}")
+    vllm = ((f"VLLM_PP_LAYER_PARTITION={split} " if best.pp > 1 else "")
+            + f"vllm serve {model_path} --pipeline-parallel-size {best.pp} --tensor-parallel-size {best.tp}"
+            + (f" --data-parallel-size {best.dp}" if best.dp > 1 else "") + ray + limits)
+    return {"pipejax": pipejax, "vllm": vllm}
+
+
+def table(found: list[LayoutPrediction], top: int) -> str:
+    shown = found[:top]
+    splits = [",".join(map(str, p.partition)) for p in shown]
+    stages = ["/".join(f"{t * 1e3:.2f}" for t in p.stage_time_s) for p in shown]
+    ws, wt = max(5, *map(len, splits)), max(8, *map(len, stages))
+    lines = [f"{'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'split':<{ws}} {'stage ms':<{wt}} {'bubble':>6} "
+             f"{'KV blk':>7} {'rows':>5} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}"]
+    for i, (p, split, times) in enumerate(zip(shown, splits, stages, strict=True), start=1):
+        lines.append(f"{i:>4} {p.pp:>3} {p.tp:>3} {p.dp:>3} {split:<{ws}} {times:<{wt}} {p.bubble:>6.0%} "
+                     f"{p.kv_blocks:>7} {p.rows:>5} {p.throughput:>9.1f} {p.tpot_s * 1e3:>8.2f} "
+                     f"{p.ttft_s * 1e3:>8.1f}")
+    return "\n".join(lines)
+
+
+def to_json(found: list[LayoutPrediction], device: DeviceSpec, hw: Hardware, work: Workload,
+            best_commands: dict[str, str]) -> str:
+    return json.dumps({
+        "hardware": hw.describe(), "device": device.source, "workload": dataclasses.asdict(work),
+        "layouts": [{**dataclasses.asdict(p), "devices": p.devices} for p in found], "best_commands": best_commands,
+    }, indent=2)

@@ -1,0 +1,116 @@
+"""``pipejax plan``: the layouts it lists are exactly the valid ones, ranked by predicted throughput, each split
+by ``balanced_partition`` within its stage's memory; bad input and a model too large are refused by name."""
+
+import json
+import math
+
+import pytest
+
+from pipejax.platform_tpu.hardware import Hardware
+from pipejax.platform_tpu.layout import LayoutError, check_layout
+from pipejax.pp_utils.balance import balanced_partition
+from pipejax.pp_utils.config import ParallelConfig
+from pipejax.ray_executor import cli, plan
+from pipejax.runner.config import ModelConfig
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256,
+             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+SMALL = {**LLAMA_70B, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+         "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152, "max_position_embeddings": 8192,
+         "tie_word_embeddings": True}
+WORK = plan.Workload(max_model_len=4096, concurrency=64, prompt_len=512, output_len=128)
+
+
+def test_every_valid_layout_is_listed_once_ranked_and_split_within_memory():
+    model = ModelConfig.from_hf(LLAMA_70B)
+    hw = Hardware("tpu", num_hosts=4, chips_per_host=8, generation="v5e")
+    device = plan.tpu_device(hw)
+    found = plan.plan(model, hw, device, WORK)
+    keys = [(p.pp, p.tp, p.dp) for p in found]
+    assert len(keys) == len(set(keys))
+    for p in found:
+        check_layout(ParallelConfig(pipeline_parallel_size=p.pp, tensor_parallel_size=p.tp, data_parallel_size=p.dp),
+                     hw)  # raises where the platform would refuse it
+        assert model.num_kv_heads % p.tp == 0 or p.tp % model.num_kv_heads == 0
+        assert sum(p.partition) == model.num_layers and len(p.partition) == p.pp
+        stage_memory = device.memory_bytes * p.tp * plan.USABLE_MEMORY
+        assert max(p.stage_weight_bytes) < stage_memory  # and the KV blocks fill what is left
+        assert p.kv_blocks > 0 and 1 <= p.rows <= math.ceil(WORK.concurrency / p.dp)
+        assert 0 <= p.bubble < 1
+    assert [p.throughput for p in found] == sorted((p.throughput for p in found), reverse=True)
+    # 131 GiB of bf16 weights: one 8-chip v5e host (128 GB HBM) cannot hold them, so every layout spans hosts
+    assert all(p.pp * p.tp > 8 for p in found)
+    # a valid layout the plan does not list would be a bug: tp=8 pp=2 dp=2 uses all 32 chips
+    assert (2, 8, 2) in keys
+    # the last stage holds the LM head: it gets fewer layers than an even split
+    best_pp2 = next(p for p in found if p.pp == 2)
+    assert best_pp2.partition[0] > best_pp2.partition[1]
+    costs = model.part_costs()
+    assert best_pp2.partition == balanced_partition(costs, 2, _limit(model, device, best_pp2))
+
+
+def _limit(model, device, p):
+    kv_token_layer = plan._kv_bytes_per_token(model, p.tp) / model.num_layers
+    return (device.memory_bytes * p.tp * plan.USABLE_MEMORY
+            - kv_token_layer * WORK.max_model_len * math.ceil(model.num_layers / p.pp))
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_never_planned():
+    model = ModelConfig.from_hf(SMALL)  # 9 heads, 3 KV heads: tp in {1, 3, 9}
+    hw = Hardware("cpu", num_hosts=1, chips_per_host=8)
+    device = plan.DeviceSpec(memory_bytes=16 * plan.GIB, flops=100e9, bandwidth=20e9, source="test", shared_host=True,
+                             step_overhead_s=plan.CPU_STEP_OVERHEAD_S)
+    found = plan.plan(model, hw, device, WORK)
+    assert {p.tp for p in found} == {1, 3}  # 9 devices do not fit one 8-device host
+    # a shared host's rates are split over the devices a layout uses: one stage on 3 devices is no faster than
+    # on 1 (only its all-reduces differ)
+    by = {(p.pp, p.tp, p.dp): p for p in found}
+    one, three = by[(1, 1, 1)].stage_time_s[0], by[(1, 3, 1)].stage_time_s[0]
+    assert three - one == pytest.approx(2 * model.num_layers * plan.COLLECTIVE_S)
+
+
+def test_a_model_larger_than_every_host_names_the_fewest_hosts_that_would_fit():
+    model = ModelConfig.from_hf(LLAMA_70B)
+    hw = Hardware("tpu", num_hosts=1, chips_per_host=8, generation="v5e")
+    with pytest.raises(ValueError, match=r"the smallest that would: 2 such hosts") as err:
+        plan.plan(model, hw, plan.tpu_device(hw), WORK)
+    assert "131.42 GiB of weights" in str(err.value)
+    assert plan.plan(model, Hardware("tpu", num_hosts=2, chips_per_host=8, generation="v5e"),
+                     plan.tpu_device(hw), WORK)  # and 2 do
+
+
+def test_the_cli_prints_the_table_and_the_commands_and_refuses_zero_hosts(tmp_path, capsys):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", str(folder), "--tpu", "v6e", "--hosts", "2", "--max-model-len", "8192",
+                     "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    best = written["layouts"][0]
+    assert f"pipejax serve --model {folder} -pp {best['pp']} -tp {best['tp']} -dp {best['dp']}" in printed
+    assert written["best_commands"]["pipejax"] in printed and written["best_commands"]["vllm"] in printed
+    if best["pp"] > 1:
+        assert f"--pp-layer-partition {','.join(map(str, best['partition']))}" in printed
+    assert "published per-chip figures" in printed
+    assert cli.main(["plan", "--model", str(folder), "--hosts", "0"]) == 2
+    assert "--hosts 0: a plan needs at least one host" in capsys.readouterr().err
+
+
+def test_cpu_hosts_described_in_full_are_not_measured(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plan, "measure_cpu_host", lambda: pytest.fail("measured hosts described in full"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMALL))
+    assert cli.main(["plan", "--model", str(folder), "--chips-per-host", "6", "--device-memory-gib", "8",
+                     "--device-tflops", "0.15", "--device-bandwidth-gbs", "20"]) == 0
+    assert "devices: given" in capsys.readouterr().out
+
+
+def test_layouts_outside_the_platforms_rules_are_refused_by_it():
+    hw = Hardware("tpu", num_hosts=1, chips_per_host=8, generation="v5e")
+    with pytest.raises(LayoutError):  # the rule the plan's enumeration leans on: 3 chips are not a TPU box
+        check_layout(ParallelConfig(pipeline_parallel_size=1, tensor_parallel_size=3), hw)
