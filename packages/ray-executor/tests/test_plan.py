@@ -114,3 +114,14 @@ def test_layouts_outside_the_platforms_rules_are_refused_by_it():
     hw = Hardware("tpu", num_hosts=1, chips_per_host=8, generation="v5e")
     with pytest.raises(LayoutError):  # the rule the plan's enumeration leans on: 3 chips are not a TPU box
         check_layout(ParallelConfig(pipeline_parallel_size=1, tensor_parallel_size=3), hw)
+
+
+def test_the_readmes_commands_plan_the_default_model_on_v6e_and_this_cpu_measured(capsys):
+    # README: `pipejax plan --tpu v6e --hosts 2 --max-model-len 4096`, and the CPU host measured
+    assert cli.main(["plan", "--tpu", "v6e", "--hosts", "2", "--max-model-len", "4096"]) == 0
+    printed = capsys.readouterr().out
+    assert "on 2 TPU v6e hosts x 8 chips" in printed and "\nbest: pp=" in printed
+    assert "vllm serve " in printed and "SmolLM2-135M-Instruct" in printed  # vLLM is given the GGUF file's path
+    host = plan.measure_cpu_host(seconds=0.05)
+    assert host.shared_host and host.flops > 1e9 and host.bandwidth > 1e8 and host.memory_bytes > plan.GIB
+    assert "measured" in host.source
