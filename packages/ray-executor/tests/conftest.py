@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "extra: slower checks, run only by `nox -s multihost_extra` (multihost/) and "
-                            "`nox -s ray_executor_extra` (the rest)")
+    config.addinivalue_line("markers", "extra: slower checks, run only by `nox -s multihost_extra` (multihost/), "
+                            "`nox -s vllm -- -m extra` (vllm_host/) and `nox -s ray_executor_extra` (the rest)")
     config.addinivalue_line("markers", "slow: minutes-long checks on the default model, run by `nox -s serve_defaults`")
 
 
