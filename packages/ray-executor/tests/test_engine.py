@@ -234,3 +234,10 @@ def test_a_resumed_request_goes_on_where_it_stopped(llm_pp2, params):
     assert whole.token_ids[:cut] + tokens == whole.token_ids and text == whole.text
     with pytest.raises(ValueError, match="already complete"):
         engine.add_request("over", "resume me, please", params, resume_token_ids=whole.token_ids)
+
+
+def test_a_requests_token_slice_spans_its_prompt_and_output_without_joining_them():
+    req = Request("r", [1, 2, 3, 4], SamplingParams(), max_tokens=10, eos_token_ids=frozenset(), tokenizer=None)
+    req.output_token_ids = [5, 6, 7]
+    joined = [1, 2, 3, 4, 5, 6, 7]
+    assert all(req.token_ids(a, b) == tuple(joined[a:b]) for a in range(8) for b in range(a, 8))

@@ -170,15 +170,17 @@ class StageRunner:
                 )
         return self.buckets.shape_of(batch, self.block_size)
 
-    def intermediate_spec(self, batch: ModelBatch) -> IntermediateSpec:
-        """What this stage receives from the previous one for ``batch`` (hidden states [T, E])."""
-        T = self.step_shape(batch)[0]
+    def intermediate_spec(self, batch: ModelBatch, shape: StepShape | None = None) -> IntermediateSpec:
+        """What this stage receives from the previous one for ``batch`` (hidden states [T, E]); ``shape``: its
+        ``step_shape``, where the caller has it already."""
+        T = (shape or self.step_shape(batch))[0]
         spec = TensorSpec((T, self.cfg.hidden_size), self.cfg.dtype, self._replicated)
         return IntermediateSpec({"hidden_states": spec})
 
-    def prepare_inputs(self, batch: ModelBatch) -> tuple[StepShape, StepInputs]:
-        """A step's host work: the padded shape of ``batch`` and its inputs on the stage's devices."""
-        shape = self.step_shape(batch)
+    def prepare_inputs(self, batch: ModelBatch, shape: StepShape | None = None) -> tuple[StepShape, StepInputs]:
+        """A step's host work: the padded shape of ``batch`` (given, or found) and its inputs on the stage's
+        devices."""
+        shape = shape or self.step_shape(batch)
         host = build_step_inputs(batch, shape, self.block_size)
         return shape, StepInputs(*jax.device_put(tuple(host), self._replicated))  # one batched transfer
 
@@ -202,8 +204,8 @@ class StageRunner:
         out, self.kv_cache = step(params, self._require_cache(), inputs, hidden_in, shape=shape)
         return out
 
-    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None):
-        shape, inputs = self.prepare_inputs(batch)
+    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None, shape: StepShape | None = None):
+        shape, inputs = self.prepare_inputs(batch, shape)
         hidden_in = None
         if not self.stage.is_first:
             if intermediate is None:
@@ -214,9 +216,10 @@ class StageRunner:
         return self.forward(inputs, shape, hidden_in), shape
 
     def execute(
-        self, batch: ModelBatch, intermediate: IntermediateTensors | None = None
+        self, batch: ModelBatch, intermediate: IntermediateTensors | None = None, shape: StepShape | None = None
     ) -> IntermediateTensors | SamplerOutput:
-        out, shape = self._forward(batch, intermediate)
+        """One step of ``batch`` (``shape``: its ``step_shape``, where the caller found it already)."""
+        out, shape = self._forward(batch, intermediate, shape)
         if not self.stage.is_last:
             return IntermediateTensors({"hidden_states": out})
         return self.sample(batch, out, shape.rows)
@@ -236,14 +239,9 @@ class StageRunner:
         most = max(asked, default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
         result = sample_tokens(logits, meta, num_logprobs=num_logprobs)
-        out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted)
-        keep = [i for i, r in enumerate(batch.requests) if r.sample]
-        return SamplerOutput(
-            step_id=out.step_id,
-            request_ids=tuple(out.request_ids[i] for i in keep),
-            token_ids=tuple(out.token_ids[i] for i in keep),
-            logprobs=tuple(out.logprobs[i] for i in keep),
-        )
+        keep = [i for i, r in enumerate(batch.requests) if r.sample]  # a prefill chunk short of the end samples none
+        return to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted,
+                                 keep=keep)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -272,8 +272,10 @@ def to_sampler_output(
     result: SampleResult,
     num_rows_used: int,
     logprobs_wanted: Sequence[int | None],
+    keep: Sequence[int] | None = None,
 ) -> SamplerOutput:
-    """Host ``SamplerOutput`` for the first ``num_rows_used`` rows (one entry per row).
+    """Host ``SamplerOutput`` for the first ``num_rows_used`` rows (one entry per row), or only the rows ``keep``
+    names (in that order).
 
     ``logprobs_wanted[i]`` is row i's ``SamplingParams.logprobs``: None gives no logprobs,
     N gives the sampled token's logprob and the top N.
@@ -296,18 +298,19 @@ def to_sampler_output(
         tokens, sampled, top_ids, top_logprobs, ranks = jax.device_get(tuple(result))
     else:
         tokens = jax.device_get(result.tokens)
-    tokens = np.asarray(tokens)[:num_rows_used].tolist()
+    rows = list(range(num_rows_used)) if keep is None else list(keep)
+    tokens = np.asarray(tokens)[rows].tolist()
 
     logprobs: list[TokenLogprobs | None] = []
-    for row, n in enumerate(logprobs_wanted):
-        if n is None:
+    for row in rows:
+        if (n := logprobs_wanted[row]) is None:
             logprobs.append(None)
             continue
         top = tuple(zip(top_ids[row, :n].tolist(), top_logprobs[row, :n].tolist(), strict=True))
         logprobs.append(TokenLogprobs(sampled=float(sampled[row]), top=top, rank=int(ranks[row])))
     return SamplerOutput(
         step_id=step_id,
-        request_ids=tuple(request_ids),
+        request_ids=tuple(request_ids[i] for i in rows),
         token_ids=tuple(tokens),
         logprobs=tuple(logprobs),
     )

@@ -81,9 +81,8 @@ class VllmStageRunner:
     def execute_model(self, so, intermediate_tensors: IntermediateTensors | None = None):
         assert self.pending is None, "sample_tokens must follow an execute_model that returned None"
         self.states.update(so)
-        runner = self.stage_worker.runner
         if so.kv_cache_block_copies:  # copy-on-write of a partly shared block, before it is written
-            runner.copy_blocks([(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies])
+            self.stage_worker.copy_blocks([(c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies])
         # new_block_ids_to_zero: not needed, attention never reads a position past a row's length.
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -137,17 +136,6 @@ def _logprobs(index: dict[str, int], out: SamplerOutput) -> LogprobsLists | None
     return LogprobsLists(ids, values, ranks)
 
 
-class _CountingSend:
-    """The PP transport's sending end, counting the activation bytes it carries (stats, tests)."""
-
-    def __init__(self, transport):
-        self.transport, self.bytes = transport, 0
-
-    def send(self, step_id, tensors) -> None:
-        self.bytes += sum(int(v.nbytes) for v in tensors.values())
-        self.transport.send(step_id, tensors)
-
-
 class VllmStageWorker(WorkerBase):
     """A vLLM worker that is one pipejax pipeline stage (constructed by vLLM with these arguments)."""
 
@@ -184,7 +172,7 @@ class VllmStageWorker(WorkerBase):
             if pp_rank > 0:
                 self.transport.connect_previous(addresses[pp_rank - 1], f"stage {pp_rank - 1}")
             recv = self.transport if pp_rank > 0 else None
-            send = _CountingSend(self.transport) if pp_rank < pp - 1 else None
+            send = self.transport if pp_rank < pp - 1 else None
         self.stage_worker = StageWorker(self._worker_config(stage), recv=recv, send=send)
         self.model_runner = VllmStageRunner(self.stage_worker)
         log.info("vLLM rank %d (pid %d) is pipejax stage %d/%d on %s", self.rank, os.getpid(), pp_rank, pp,
@@ -286,7 +274,7 @@ class VllmStageWorker(WorkerBase):
             "layers": (layers.start, layers.stop),
             "devices": [str(d) for d in sw.devices],
             "num_blocks": sw.runner.num_blocks if sw.runner else 0,
-            "activation_bytes_sent": self.stage_worker.send.bytes if self.stage_worker.send else 0,
+            "activation_bytes_sent": self.stage_worker.activation_bytes_sent(),
             **self.model_runner.states.counts,
             "live_requests": len(self.model_runner.states.requests),
         }

@@ -200,11 +200,12 @@ class StageWorker:
     def execute_model(self, batch: ModelBatch) -> SamplerOutput | None:
         runner = self._require_runner()
         start = time.perf_counter()
-        hidden = None
+        hidden, shape = None, runner.step_shape(batch)
         if not self.stage.is_first:
             assert self.recv is not None, "a non-first stage needs a receive transport"
-            hidden = self.recv.receive(batch.step_id, runner.intermediate_spec(batch), self.config.receive_timeout_s)
-        out = runner.execute(batch, hidden)
+            hidden = self.recv.receive(batch.step_id, runner.intermediate_spec(batch, shape),
+                                       self.config.receive_timeout_s)
+        out = runner.execute(batch, hidden, shape)
         if not self.stage.is_last:
             assert self.send is not None, "a non-last stage needs a send transport"
             self.send.send(batch.step_id, out)
@@ -228,6 +229,10 @@ class StageWorker:
 
     def activation_bytes_sent(self) -> int:
         return self.bytes_sent
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` (a host's copy-on-write of a shared prefix block)."""
+        self._require_runner().copy_blocks(pairs)
 
     def num_compiled_shapes(self) -> int:
         """Step shapes this stage has compiled so far (warm-up included)."""

@@ -90,9 +90,14 @@ class Request:
             IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens) if tokenizer else None
         )
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens ``start:stop`` of prompt + output, without joining the two (a decode step takes one token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return tuple(self.output_token_ids[start - p : stop - p])
+        if stop <= p:
+            return tuple(self.prompt_token_ids[start:stop])
+        return (*self.prompt_token_ids[start:], *self.output_token_ids[: stop - p])
 
     @property
     def num_tokens(self) -> int:

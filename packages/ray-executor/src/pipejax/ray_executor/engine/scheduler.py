@@ -95,7 +95,7 @@ class Scheduler:
             entries.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=tuple(req.all_token_ids[start : start + num_new]),
+                    token_ids=req.token_ids(start, start + num_new),
                     start_position=start,
                     block_table=tuple(req.block_ids),
                     sampling=req.sampling,
