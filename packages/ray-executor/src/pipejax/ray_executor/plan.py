@@ -162,6 +162,18 @@ def plan(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload,
     return sorted(found, key=lambda p: (-p.throughput, p.tpot_s, p.devices))
 
 
+def predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload, pp: int, tp: int, dp: int = 1,
+            memory_fraction: float = USABLE_MEMORY) -> LayoutPrediction:
+    """The prediction for one layout (checked as ``plan`` checks it; a ``ValueError`` or ``LayoutError`` where it
+    does not fit)."""
+    from pipejax.runner.model import kv_heads_for_tp
+
+    kv_heads_for_tp(model, tp)
+    checked = check_layout(ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp),
+                           hw)
+    return _predict(model, hw, device, work, pp, tp, dp, checked.distributed_executor_backend, memory_fraction)
+
+
 def _candidates(model: ModelConfig, hw: Hardware, reasons: list[str]):
     from pipejax.runner.model import kv_heads_for_tp
 
