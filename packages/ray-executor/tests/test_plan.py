@@ -125,3 +125,41 @@ def test_the_readmes_commands_plan_the_default_model_on_v6e_and_this_cpu_measure
     host = plan.measure_cpu_host(seconds=0.05)
     assert host.shared_host and host.flops > 1e9 and host.bandwidth > 1e8 and host.memory_bytes > plan.GIB
     assert "measured" in host.source
+
+
+def test_hosts_are_read_from_ray_nodes_tpu_first_then_declared_devices():
+    from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE
+
+    tpu = {"Alive": True, "Resources": {"CPU": 96, "TPU": 8, "accelerator_type:TPU-V6E": 1}}
+    cpu = {"Alive": True, "Resources": {"CPU": 2, CPU_DEVICE_RESOURCE: 6, "memory": 8 * plan.GIB}}
+    dead = {"Alive": False, "Resources": {"TPU": 8, "accelerator_type:TPU-V6E": 1}}
+    hw, memory = plan.hosts_from_ray([tpu, tpu, dead, cpu], CPU_DEVICE_RESOURCE)
+    assert (hw.platform, hw.generation, hw.num_hosts, hw.chips_per_host, memory) == ("tpu", "v6e", 2, 8, None)
+    small = {"Alive": True, "Resources": {CPU_DEVICE_RESOURCE: 4, "memory": 6 * plan.GIB}}
+    hw, memory = plan.hosts_from_ray([cpu, small], CPU_DEVICE_RESOURCE)
+    assert (hw.platform, hw.num_hosts, hw.chips_per_host, memory) == ("cpu", 2, 4, 6 * plan.GIB)
+    with pytest.raises(ValueError, match=r"lists no node with TPU chips or 'pipejax_cpu_device' devices \(1 alive\)"):
+        plan.hosts_from_ray([{"Alive": True, "Resources": {"CPU": 2}}, dead], CPU_DEVICE_RESOURCE)
+
+
+def test_the_cli_plans_for_a_live_ray_cluster(tmp_path, capsys, monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a test cluster (Ray 2.60 turns token auth on by default)
+
+    from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {CPU_DEVICE_RESOURCE: 4}})
+    try:
+        cluster.add_node(num_cpus=1, resources={CPU_DEVICE_RESOURCE: 4})
+        cluster.wait_for_nodes()
+        folder = tmp_path / "model"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(SMALL))
+        assert cli.main(["plan", "--model", str(folder), "--ray-address", cluster.address, "--device-tflops", "0.15",
+                         "--device-bandwidth-gbs", "20"]) == 0
+        printed = capsys.readouterr().out
+        assert "on 2 CPU (simulated devices) hosts x 4 simulated devices = 8 devices" in printed
+        assert "given: memory_bytes, flops, bandwidth" in printed  # the nodes' memory, the rates given
+    finally:
+        cluster.shutdown()

@@ -104,6 +104,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    "(SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
     p.add_argument("--hosts", type=int, default=1, help="identical hosts (default 1)")
+    p.add_argument("--ray-address", default=None,
+                   help="plan for the live Ray cluster there ('auto': RAY_ADDRESS or the local one): its alive TPU "
+                        "nodes, else its nodes declaring simulated devices, instead of --hosts/--tpu")
     p.add_argument("--tpu", default=None, metavar="GENERATION",
                    help="plan for TPU hosts of this generation (v4, v5e, v5p, v6e, v7x...), from its published "
                         "figures; default: this host's CPU, measured, with its simulated devices")
@@ -136,7 +139,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = ModelConfig.from_pretrained(model_path, dtype=args.dtype)
     work = plan.Workload(max_model_len=args.max_model_len or args.prompt_len + args.output_len,
                          concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len)
-    if args.tpu:
+    ray_memory = None
+    if args.ray_address:
+        import ray
+
+        from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE
+
+        ray.init(address=args.ray_address, log_to_driver=False)
+        try:
+            hw, ray_memory = plan.hosts_from_ray(ray.nodes(), CPU_DEVICE_RESOURCE)
+        finally:
+            ray.shutdown()
+        device = plan.tpu_device(hw) if hw.platform == "tpu" else None
+    elif args.tpu:
         gen = generation(args.tpu)
         hw = Hardware("tpu", num_hosts=args.hosts, chips_per_host=args.chips_per_host or gen.chips_per_host,
                       generation=gen.name)
@@ -152,11 +167,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "bandwidth": args.device_bandwidth_gbs and args.device_bandwidth_gbs * 1e9}
     if device is None and all(given.values()):  # CPU hosts described in full: nothing to measure
         device = plan.DeviceSpec(**given, source="given", shared_host=True, step_overhead_s=plan.CPU_STEP_OVERHEAD_S)
-    elif any(given.values()):
-        device = device or plan.measure_cpu_host()
+    device = device or plan.measure_cpu_host()
+    if ray_memory and not given["memory_bytes"]:  # the cluster's CPU nodes' memory, not this host's
+        given["memory_bytes"] = ray_memory
+    if any(given.values()) and device.source != "given":
         device = dataclasses.replace(device, **{k: v for k, v in given.items() if v},
                                      source=f"{device.source}; given: {', '.join(k for k, v in given.items() if v)}")
-    device = device or plan.measure_cpu_host()
     found = plan.plan(model, hw, device, work)
     print(f"{len(found)} layouts of {model.num_layers} layers on {hw.describe()}\ndevices: {device.source}\n"
           f"workload: {work.concurrency} requests at once, {work.prompt_len} tokens in, {work.output_len} out "

@@ -132,6 +132,26 @@ def measure_cpu_host(seconds: float = 0.3) -> DeviceSpec:
                              f"{memory / GIB:.1f} GiB RAM available")
 
 
+def hosts_from_ray(nodes: list[dict], device_resource: str) -> tuple[Hardware, float | None]:
+    """The hosts a live Ray cluster offers (``ray.nodes()``): its TPU nodes (chips and generation as Ray lists
+    them), else its nodes declaring ``device_resource`` (simulated CPU devices), with the smallest node's memory
+    on CPU (None on TPU: HBM comes from the generation). Hosts are taken as identical: the smallest one counts."""
+    from pipejax.platform_tpu.platform import TpuPlatform
+
+    alive = [n for n in nodes if n.get("Alive")]
+    tpus = [h for h in (TpuPlatform.ray_node_hardware(n["Resources"]) for n in alive) if h is not None]
+    if tpus:
+        return dataclasses.replace(min(tpus, key=lambda h: h.chips_per_host), num_hosts=len(tpus)), None
+    cpus = [n for n in alive if n["Resources"].get(device_resource, 0) >= 1]
+    if not cpus:
+        raise ValueError(f"the Ray cluster lists no node with TPU chips or '{device_resource}' devices "
+                         f"({len(alive)} alive); start its nodes with `ray start --resources "
+                         f"'{{\"{device_resource}\": 8}}'` (CPU) or on TPU hosts, or give --hosts instead")
+    devices = min(int(n["Resources"][device_resource]) for n in cpus)
+    memory = min(float(n["Resources"].get("memory", 0)) for n in cpus) or None
+    return Hardware("cpu", num_hosts=len(cpus), chips_per_host=devices), memory
+
+
 def _available_ram() -> float:
     try:
         with open("/proc/meminfo") as f:
