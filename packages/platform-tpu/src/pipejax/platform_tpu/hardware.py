@@ -32,7 +32,8 @@ class TpuGeneration:
     cores_per_chip: int  # TensorCores JAX shows as separate devices; megacore chips (v4, v5p) count 1
     chips_per_host: int  # chips of a full host
     type_counts_cores: bool  # the accelerator type's number counts TensorCores (v4-8 = 4 chips), not chips
-    # Published per-chip figures (Cloud TPU's system-architecture pages), for planning layouts (`pipejax plan`)
+    # Per-chip figures for planning layouts (`pipejax plan`): v5e and v6e as Cloud TPU's pages list them (read
+    # 2026-12-04); the other generations' as recalled from those pages, not re-read: check before relying on them
     hbm_gb: float = 0.0  # HBM per chip, 1e9 bytes
     bf16_tflops: float = 0.0  # peak bf16 matmul rate per chip
     hbm_gb_s: float = 0.0  # HBM bandwidth per chip, 1e9 bytes/s

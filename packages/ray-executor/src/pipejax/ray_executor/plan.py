@@ -30,9 +30,13 @@ from pipejax.pp_utils.config import ParallelConfig
 from pipejax.runner.config import ModelConfig
 
 GIB = 2**30
-COLLECTIVE_S = 10e-6  # one all-reduce of a decode step's rows: latency-bound on every interconnect
-TPU_STEP_OVERHEAD_S = 0.5e-3  # per stage step: the dispatch and the activation's hop (driver -> stages)
-CPU_STEP_OVERHEAD_S = 2e-3  # the same through Ray on a CPU host (BENCHMARKS.md: plain Ray steps of 1.5-3 ms)
+# Assumed, not measured (no TPU at hand): one all-reduce of a decode step's rows, latency-bound; a stage step's
+# dispatch and activation hop on TPU hosts.
+COLLECTIVE_S = 10e-6
+TPU_STEP_OVERHEAD_S = 0.5e-3
+# A stage step's fixed cost on a CPU host: assumed. BENCHMARKS.md's Ray step (pp1 tp1, batch 32 decode) is 59.9 ms
+# against the in-process executor's 55.7, ~4 ms more; plan_check's in-process runs pay less than that.
+CPU_STEP_OVERHEAD_S = 2e-3
 MAX_HOSTS_TRIED = 4096  # when nothing fits: the smallest number of such hosts that would
 USABLE_MEMORY = 0.9  # of a stage's memory, for weights and KV together (the rest: XLA's workspace, activations)
 BLOCK_SIZE = 16
