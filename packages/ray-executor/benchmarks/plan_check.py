@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 
+os.environ.setdefault("PIPEJAX_CPU_KERNEL_BUILD", "wait")  # one formulation throughout the timed runs
+
 
 def one_layout(model: str, pp: int, tp: int, prompts: int, input_len: int, output_len: int) -> dict:
     from pipejax.ray_executor import LLM, SamplingParams

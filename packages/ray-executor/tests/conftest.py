@@ -18,3 +18,13 @@ def pytest_configure(config):
 def _builtin_model_cache(tmp_path_factory):
     """The built-in model is generated into a per-run folder, not the user's cache."""
     os.environ["PIPEJAX_CACHE_DIR"] = str(tmp_path_factory.mktemp("pipejax-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built():
+    """numba's cache holds the CPU kernels before any engine starts, as after a host's first serving start: the
+    engines' default "background" build would otherwise switch a test's stages from XLA's formulation to the
+    kernels at a moment set by the build (``test_kernel_build`` checks that path on purpose)."""
+    from pipejax.runner.cpu import select
+
+    select.build_all(select.KERNEL_NAMES)

@@ -139,6 +139,22 @@ def test_one_mapping_reads_the_partition_env_at_the_edge(monkeypatch):
     assert {"max_num_seqs", "gpu_memory_utilization", "pp_layer_partition"} <= set(vars(args)) & set(ENGINE_ARGS)
 
 
+def test_the_cpu_kernel_build_setting_reaches_the_stages(monkeypatch):
+    """Engines build CPU kernels numba lacks in the background by default; PIPEJAX_CPU_KERNEL_BUILD or the keyword
+    (the CLI's --cpu-kernel-build) choose otherwise, and a bad value names itself and the choices."""
+    from pipejax.ray_executor.engine_args import ENV_KEYWORDS, engine_config
+    from pipejax.runner.cpu.select import KERNEL_BUILD_ENV
+
+    assert ENV_KEYWORDS["cpu_kernel_build"] == KERNEL_BUILD_ENV
+    monkeypatch.delenv(KERNEL_BUILD_ENV, raising=False)
+    assert engine_config("builtin").worker_config(1).cpu_kernel_build == "background"
+    monkeypatch.setenv(KERNEL_BUILD_ENV, "wait")
+    assert engine_config("builtin").worker_config(0).cpu_kernel_build == "wait"
+    assert engine_config("builtin", cpu_kernel_build="cached").cpu_kernel_build == "cached"
+    with pytest.raises(ValueError, match="cpu_kernel_build='later'.*--cpu-kernel-build.*background, wait, cached"):
+        engine_config("builtin", cpu_kernel_build="later")
+
+
 def test_the_environment_is_read_at_the_edge_only(monkeypatch, tmp_path):
     """Every variable the engine honours becomes a config field in ``engine_config`` (an explicit keyword
     wins); below it nothing reads the environment, so a config built directly takes the defaults."""

@@ -1,6 +1,7 @@
 """``cpu.select``: each CPU kernel runs where it measured faster than XLA's formulation on this host, the verdict
 is remembered per host signature and shapes, and an explicit choice still forces one."""
 
+import dataclasses
 import json
 
 import jax
@@ -105,3 +106,31 @@ def test_bad_options_name_the_value_and_the_fix():
         sel.KernelOptions(prefill_attention="flash")
     with pytest.raises(ValueError, match="decode_layers='loop'; use 'auto', 'scan' or 'unrolled'"):
         sel.KernelOptions(decode_layers="loop")
+
+
+@pytest.mark.parametrize("build", ["background", "cached"])
+def test_kernels_not_built_yet_run_xla_without_waiting(monkeypatch, fresh, build):
+    """Only the built kernels are measured; the others run XLA's formulation now, and with "background" are
+    pending (built by a child process: test_cpu_kernel_build). A kernel remembered as slower needs no build."""
+    calls: list = []
+    monkeypatch.setattr(sel, "measure", _fake_measure(calls, dense=(1, 2), decode=(1, 2)))
+    monkeypatch.setattr(sel, "built", lambda name: name == "decode_attention")
+    mesh = stage_mesh(jax.devices()[:1])
+    got = sel.select(mesh, CFG, sel.KernelOptions(build=build), LIMITS)
+    assert (got.dense_matmuls, got.decode_attention, got.prefill_attention) == ("xla", "cpu-kernel", "xla")
+    assert calls == [("decode_attention",)]
+    assert got.pending == (("dense_matmuls", "prefill_attention") if build == "background" else ())
+    assert sel.build_in_background(dataclasses.replace(got, pending=())) is None
+
+    monkeypatch.setattr(sel, "_in_process", {})
+    monkeypatch.setattr(sel, "known_choices", lambda *a: {"dense_matmuls": {"choice": "xla"}})
+    again = sel.select(mesh, CFG, sel.KernelOptions(build=build), LIMITS)
+    assert again.pending == (("prefill_attention",) if build == "background" else ())
+
+
+def test_the_kernel_build_setting_is_checked():
+    with pytest.raises(ValueError, match="build='soon'.*'background', 'wait' or 'cached'"):
+        sel.KernelOptions(build="soon")
+    with pytest.raises(ValueError, match="PIPEJAX_CPU_KERNEL_BUILD='soon'"):
+        sel.cpu_kernel_build_from_env({"PIPEJAX_CPU_KERNEL_BUILD": "soon"})
+    assert sel.cpu_kernel_build_from_env({}) == "background"

@@ -53,7 +53,8 @@ def child() -> None:
     from pipejax.ray_executor.engine_args import configure_devices, engine_config_from_args
 
     args = build_parser().parse_args(["generate", "--model", "builtin:bench", "--distributed-executor-backend", "ray",
-                                      "--max-tokens", "1", "Hello, pipejax!"])
+                                      "--max-tokens", "1", "--cpu-kernel-build", "cached",  # generate's default
+                                      "Hello, pipejax!"])
     configure_devices(args)
     import ray
 

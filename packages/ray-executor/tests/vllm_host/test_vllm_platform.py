@@ -48,6 +48,8 @@ def test_config_hides_tp_inside_each_stage(checkpoint):
     assert opts["compilation_cache_dir"] == os.environ["PIPEJAX_COMPILATION_CACHE_DIR"]
     # and the CPU KV budget: vLLM's own variable where pipejax's is unset (None: the default budget)
     assert opts["cpu_kvcache_space"] == cpu_kvcache_space_from_env(os.environ)
+    # and how the stages wait for CPU kernels numba has not built (the engines' default: in the background)
+    assert opts["cpu_kernel_build"] == os.environ.get("PIPEJAX_CPU_KERNEL_BUILD", "background")
 
 
 def test_the_cpu_kv_budget_comes_from_vllms_variable(checkpoint, monkeypatch):

@@ -73,6 +73,7 @@ class PipejaxPlatform(Platform):
                              "use 'uni', 'mp' or 'ray'")
         opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
         if opts is None:  # first call (the config is checked again in each process that rebuilds it)
+            from pipejax.runner.cpu.select import cpu_kernel_build_from_env
             from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
             from pipejax.worker.worker import compilation_cache_dir_from_env
 
@@ -81,6 +82,7 @@ class PipejaxPlatform(Platform):
             # The platform is the edge that reads pipejax's environment under vLLM; every stage gets the driver's.
             opts["compilation_cache_dir"] = compilation_cache_dir_from_env(os.environ)
             opts["cpu_kvcache_space"] = cpu_kvcache_space_from_env(os.environ)  # GiB per host on CPU; None: default
+            opts["cpu_kernel_build"] = cpu_kernel_build_from_env(os.environ)
             additional = dict(vllm_config.additional_config or {})
             additional[OPTIONS_KEY] = opts
             vllm_config.additional_config = additional

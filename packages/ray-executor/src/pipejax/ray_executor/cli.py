@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
-from pipejax.ray_executor.engine_args import configure_devices, engine_config_from_args
+from pipejax.ray_executor.engine_args import ENV_KEYWORDS, configure_devices, engine_config_from_args
 from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
 
 
@@ -56,6 +57,11 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
     p.add_argument("--cpu-kvcache-space", type=float, default=None,
                    help="on CPU: GiB of host RAM for the KV caches of every stage of every engine on a host, shared "
                    "evenly (env PIPEJAX_CPU_KVCACHE_SPACE; default 4, at most half of the available RAM)")
+    p.add_argument("--cpu-kernel-build", choices=("background", "wait", "cached"), default=None,
+                   help="on CPU: how a stage waits for a kernel numba has not built on the host yet (~10 s each, "
+                   "once): background (XLA's formulation until it is built, then measured and switched to), wait, "
+                   "cached (only kernels already built) (env PIPEJAX_CPU_KERNEL_BUILD; default background; generate: "
+                   "cached; bench throughput: wait)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's (generate: what it needs)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: 64 (generate: the number of prompts)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -224,11 +230,18 @@ def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: 
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
 
 
+def _kernel_build_default(args: argparse.Namespace, value: str) -> None:
+    """``value`` for ``--cpu-kernel-build`` where neither the flag nor its environment variable gave one."""
+    if getattr(args, "cpu_kernel_build", None) is None and not os.environ.get(ENV_KEYWORDS["cpu_kernel_build"]):
+        args.cpu_kernel_build = value
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pipejax.ray_executor.llm import LLM
     from pipejax.runner.batch import SamplingParams
 
     start = time.perf_counter()
+    _kernel_build_default(args, "cached")  # a few prompts gain less from CPU kernels not built yet than they cost
     config = engine_config_from_args(args)
     prompts = _generate_prompts(args, config.model.path)
     config = generate_limits(config, prompts, args.max_tokens, args.max_num_seqs is not None,
@@ -275,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "throughput":
             from pipejax.ray_executor.bench import run_throughput
 
+            _kernel_build_default(args, "wait")  # one formulation throughout the timed runs
             return run_throughput(args, _llm)
     except ValueError as exc:  # user mistakes: one clear line, no traceback
         print(f"pipejax: error: {exc}", file=sys.stderr)

@@ -73,6 +73,8 @@ class EngineConfig:
     platform_plugin: str | None = None  # the pipejax.platform_plugins entry point to use when several apply
     # JAX's persistent compilation cache of every stage process (None: none).
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_compilation_cache_dir)
+    # How a stage waits for a CPU kernel numba has not built on its host (runner.cpu.select.KERNEL_BUILDS).
+    cpu_kernel_build: str = "background"
 
     def worker_config(self, pp_rank: int) -> WorkerConfig:
         """What the stage worker of ``pp_rank`` gets (the same for every executor)."""
@@ -90,4 +92,5 @@ class EngineConfig:
             model_impl=self.model.impl,
             compilation_cache_dir=self.compilation_cache_dir,
             step_trace_len=self.step_trace_len,
+            cpu_kernel_build=self.cpu_kernel_build,
         )

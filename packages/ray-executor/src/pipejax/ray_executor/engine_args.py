@@ -29,6 +29,7 @@ ENV_KEYWORDS = {
     "model_cache_dir": "PIPEJAX_CACHE_DIR",  # runner.builtin_model.CACHE_DIR_ENV
     "compilation_cache_dir": "PIPEJAX_COMPILATION_CACHE_DIR",  # worker.worker.CACHE_DIR_ENV
     "cpu_kvcache_space": "PIPEJAX_CPU_KVCACHE_SPACE",  # runner.config.CPU_KVCACHE_SPACE_ENV
+    "cpu_kernel_build": "PIPEJAX_CPU_KERNEL_BUILD",  # runner.cpu.select.KERNEL_BUILD_ENV
 }
 
 
@@ -117,6 +118,7 @@ def engine_config(
     platform_plugin: str | None = None,
     model_cache_dir: str | None = None,
     compilation_cache_dir: str | None = None,
+    cpu_kernel_build: str | None = None,
 ):
     """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``).
 
@@ -130,7 +132,9 @@ def engine_config(
     host; runner's ``CacheConfig`` has the default and ``pipejax.worker.kv_sizing`` the arithmetic).
     ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig`` default on accelerators.
     ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests again (Ray backends),
-    giving up after ``recovery_timeout`` seconds."""
+    giving up after ``recovery_timeout`` seconds. ``cpu_kernel_build`` (PIPEJAX_CPU_KERNEL_BUILD): how a stage on
+    a CPU host waits for a kernel numba has not built there yet ("background", the default: XLA's formulation
+    until it is built; "wait"; "cached": only kernels already built; ``pipejax.runner.cpu.select``)."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
     from pipejax.runner.config import CacheConfig, SchedulerConfig
@@ -144,6 +148,7 @@ def engine_config(
         "model_cache_dir": model_cache_dir,
         "compilation_cache_dir": compilation_cache_dir,
         "cpu_kvcache_space": cpu_kvcache_space,
+        "cpu_kernel_build": cpu_kernel_build,
     }
     if recovery not in ("on", "off", True, False):
         raise ValueError(f"recovery={recovery!r}; use 'on' or 'off'")
@@ -182,7 +187,17 @@ def engine_config(
         recovery_timeout_s=float(recovery_timeout),
         platform_plugin=env.get("platform_plugin"),
         compilation_cache_dir=default_compilation_cache_dir() if compile_cache is None else compile_cache or None,
+        cpu_kernel_build=_kernel_build(env.get("cpu_kernel_build", "background")),
     )
+
+
+def _kernel_build(value: str) -> str:
+    from pipejax.runner.cpu.select import KERNEL_BUILDS
+
+    if value not in KERNEL_BUILDS:
+        raise ValueError(f"cpu_kernel_build={value!r} (--cpu-kernel-build / PIPEJAX_CPU_KERNEL_BUILD); use one of "
+                         f"{', '.join(KERNEL_BUILDS)}")
+    return value
 
 
 ENGINE_ARGS = tuple(inspect.signature(engine_config).parameters)

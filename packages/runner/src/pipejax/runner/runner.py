@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -18,7 +19,7 @@ from pipejax.runner.checkpoint import load_stage_params
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.cpu import dots as cpu_dots
 from pipejax.runner.cpu import layer_views
-from pipejax.runner.cpu.select import KernelOptions, select
+from pipejax.runner.cpu.select import KERNEL_NAMES, KernelOptions, Selection, build_in_background, select
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import NATIVE, get_model_impl
@@ -55,6 +56,7 @@ class StageRunner:
         few_row_dots: str = "auto",
         dense_matmuls: str = "auto",
         prefill_attention: str = "auto",
+        kernel_build: str = "wait",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -70,15 +72,13 @@ class StageRunner:
         )
         self.seed = seed
         self.impl = get_model_impl(model_impl)
-        options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers, few_row_dots)
+        self._kernel_options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers,
+                                             few_row_dots, kernel_build)
         # which CPU kernels run here: measured against XLA's formulation on this host where asked "auto"
         started = time.time()
-        self.selection = select(mesh, self.cfg, options, self.limits, native=self.impl is NATIVE,
-                                remember_in=jax.config.jax_compilation_cache_dir)
+        self.selection = self._select(self._kernel_options)
         self.selection_span = (started, time.time())  # wall clock: a first start on a host measures here
-        self.dense_matmuls = self.selection.dense_matmuls
-        self.decode_attention = self.selection.decode_attention
-        self.prefill_attention = self.selection.prefill_attention
+        self._kernel_build = build_in_background(self.selection)  # kernels numba has not built yet
         if self.impl is NATIVE:
             self.params = load_stage_params(self.model_path, self.cfg, stage, mesh, panels=self.selection.panels)
         else:
@@ -87,12 +87,7 @@ class StageRunner:
         self.num_blocks = 0
         self.kv_cache: tuple[jax.Array, jax.Array] | None = None
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        forward = functools.partial(self.impl.forward, cfg=self.cfg, stage=stage, block_size=self.block_size)
-        if self.impl is NATIVE:
-            forward = functools.partial(forward, kernels=self.selection.kernels(mesh))
-        self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
-                                           out_shardings=(self._replicated, self._cache_shardings()))
-        self._step = self._jit_step()
+        self._use_selection(self.selection)
         self._few_row_dots = self.selection.few_row_dots
         self._decode_params = None  # per-layer views, where decode steps run the layers unrolled
         if self.selection.decode_layers == "unrolled":
@@ -104,6 +99,52 @@ class StageRunner:
                 log.warning("stage %d: decode steps run the layer scan: %s", stage.pp_rank, e)
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
+
+    def _select(self, options: KernelOptions) -> Selection:
+        return select(self.mesh, self.cfg, options, self.limits, native=self.impl is NATIVE,
+                      remember_in=jax.config.jax_compilation_cache_dir)
+
+    def _use_selection(self, selection: Selection) -> None:
+        """Run ``selection``'s kernels from the next step on (its steps are jitted anew: each shape compiles again
+        on first use)."""
+        self.selection = selection
+        self.dense_matmuls = selection.dense_matmuls
+        self.decode_attention = selection.decode_attention
+        self.prefill_attention = selection.prefill_attention
+        forward = functools.partial(self.impl.forward, cfg=self.cfg, stage=self.stage, block_size=self.block_size)
+        if self.impl is NATIVE:
+            forward = functools.partial(forward, kernels=selection.kernels(self.mesh))
+        self._jit_step = functools.partial(jax.jit, forward, static_argnames=("shape",), donate_argnums=(1,),
+                                           out_shardings=(self._replicated, self._cache_shardings()))
+        self._step = self._jit_step()
+        self.__dict__.pop("_few_row_step", None)
+
+    def adopt_built_kernels(self) -> bool:
+        """Between two steps: where the background build of this stage's kernels has finished, measure them
+        against XLA's formulation (as a start with them built does) and switch to those that won; whether
+        anything changed. A dense kernel that won waits for the next start: the weights are laid out for XLA's
+        dots at load."""
+        if self._kernel_build is None or not self._kernel_build.finished():
+            return False
+        build, self._kernel_build = self._kernel_build, None
+        if not build.succeeded:
+            return False
+        started = time.perf_counter()
+        chosen = self._select(dataclasses.replace(self._kernel_options, build="wait"))
+        if chosen.panels != self.selection.panels:
+            log.info("stage %d: the dense kernel measured faster here; it runs from the next start (the weights "
+                     "were laid out for XLA's dots at load)", self.stage.pp_rank)
+            chosen = dataclasses.replace(chosen, dense_matmuls=self.selection.dense_matmuls)
+        switched = [n for n in KERNEL_NAMES if getattr(chosen, n) != getattr(self.selection, n)]
+        log.info("stage %d: CPU kernels built in the background, measured in %.1fs; %s", self.stage.pp_rank,
+                 time.perf_counter() - started,
+                 f"switching {', '.join(switched)} to the kernel (step shapes compile again as they come)"
+                 if switched else "XLA's formulation stays")
+        if switched:
+            self._use_selection(chosen)
+        else:
+            self.selection = dataclasses.replace(self.selection, pending=())
+        return bool(switched)
 
     @property
     def few_row_dots(self) -> str | None:
@@ -187,6 +228,8 @@ class StageRunner:
     def forward(self, inputs: StepInputs, shape: StepShape, hidden_in: jax.Array | None = None) -> jax.Array:
         """The jitted step on prepared inputs (it writes the KV cache): hidden states [T, E], or on the
         last stage logits [rows, V]. ``hidden_in``: the previous stage's hidden states (non-first stages)."""
+        if self._kernel_build is not None:
+            self.adopt_built_kernels()
         if shape not in self.compiled_shapes:
             self.compiled_shapes.add(shape)
             log.info(

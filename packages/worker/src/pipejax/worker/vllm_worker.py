@@ -198,6 +198,7 @@ class VllmStageWorker(WorkerBase):
             dtype=str(mc.dtype).removeprefix("torch."),
             seed=mc.seed or 0,
             compilation_cache_dir=self.options["compilation_cache_dir"],
+            cpu_kernel_build=self.options.get("cpu_kernel_build", "background"),
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

@@ -76,6 +76,9 @@ class WorkerConfig:
     # JAX's persistent compilation cache of this process (None: none)
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
     step_trace_len: int = 0  # keep (pp_rank, step_id, start, end) of the last N steps (0: trace nothing)
+    # how a CPU kernel numba has not built yet is waited for (runner.cpu.select.KERNEL_BUILDS; the engines
+    # and the vLLM platform pass "background")
+    cpu_kernel_build: str = "wait"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,7 @@ class StageWorker:
         start = time.perf_counter()
         self.runner = StageRunner(
             self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed,
-            self.config.model_impl, scheduler=self.limits,
+            self.config.model_impl, scheduler=self.limits, kernel_build=self.config.cpu_kernel_build,
         )
         # the kernel choice (measured on a host's first start, remembered after) apart from the weights
         self.setup_times["kernels"] = self.runner.selection_span

@@ -5,7 +5,9 @@ numba compiles a kernel on one thread, under a process-wide lock, into its on-di
 a 2-core EPYC; a cache hit loads in well under a second). So a fresh install's first start, which needs several
 kernels, fills the cache of all but one in child processes while this process builds the first
 (``fill_cache_alongside``), and every build holds a per-kernel file lock: stages starting at once on a host
-compile each kernel once, the others load it from the cache.
+compile each kernel once, the others load it from the cache. A stage that will not wait for that
+(``select``'s "background" build) has a ``BackgroundBuild`` fill the cache in a child process at a lower
+priority while it runs XLA's formulation.
 """
 
 from __future__ import annotations
@@ -96,6 +98,40 @@ def wait(children: list[subprocess.Popen], timeout_s: float = LOCK_TIMEOUT_S) ->
                         (err or b"").decode(errors="replace").strip()[-500:])
 
 
+class BackgroundBuild:
+    """numba's cache filled with ``kernel_modules`` by one child process (and its own children, one per spare
+    core) at a lower CPU priority than the caller; ``finished()`` polls it. The child is not ended with the
+    caller: what it compiles serves the host's next start."""
+
+    NICENESS = 10
+
+    def __init__(self, kernel_modules: list[str]):
+        self.kernel_modules = kernel_modules
+        self._errors = tempfile.TemporaryFile()  # a pipe could fill up and stop the child: nobody reads it early
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, "--nice", *kernel_modules],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._errors)
+        self.started = time.monotonic()
+
+    def finished(self) -> bool:
+        """Whether the child has ended (one that failed is logged once, here: the caller keeps XLA's
+        formulation)."""
+        if self.process.poll() is None:
+            return False
+        if self._errors is not None:
+            if self.process.returncode != 0:
+                self._errors.seek(0)
+                log.warning("building the CPU kernels %s in the background failed (exit %s): %s",
+                            ", ".join(self.kernel_modules), self.process.returncode,
+                            self._errors.read().decode(errors="replace").strip()[-500:])
+            self._errors.close()
+            self._errors = None
+        return True
+
+    @property
+    def succeeded(self) -> bool:
+        return self.finished() and self.process.returncode == 0
+
+
 @contextlib.contextmanager
 def _compiling(kernel_module: str):
     """Hold the host-wide lock of ``kernel_module``'s build (a file lock: released when its process dies)."""
@@ -119,7 +155,24 @@ def _compiling(kernel_module: str):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-if __name__ == "__main__":  # a child of fill_cache_alongside: compile one kernel into numba's cache
+def _main(argv: list[str]) -> None:
+    """A child of ``fill_cache_alongside`` (one module) or of ``BackgroundBuild`` (``--nice`` and modules):
+    compile them into numba's cache, the first here and the others alongside."""
     logging.basicConfig(level=logging.WARNING)
-    with _compiling(sys.argv[1]):
-        compile_handler(sys.argv[1], sys.argv[1])
+    if argv[0] == "--nice":
+        os.nice(BackgroundBuild.NICENESS)
+        argv = argv[1:]
+    children = fill_cache_alongside(argv[1:])
+    try:
+        with _compiling(argv[0]):
+            compile_handler(argv[0], argv[0])
+    finally:
+        wait(children)
+    for module in argv[1:]:  # one a child could not build (or no spare core took): here
+        if not cached(module):
+            with _compiling(module):
+                compile_handler(module, module)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -8,6 +8,13 @@ the stage's own shapes (``probe``) and runs a kernel only where it was faster; "
 choice. A verdict is remembered per host signature (CPU model and ISA flags, cores, versions, the XLA and
 numba target settings) and shapes: in the process, and in a JSON file next to JAX's compilation cache where
 that is on, so a restart measures nothing (and compiles the same step programs).
+
+A kernel numba has not compiled on this host yet takes ~5-12 s of one core to build (``build``). How a stage
+waits for that is ``KernelOptions.build``: "wait" (a ``StageRunner``'s default) builds them before the first
+step; "background" (the serving engines' default) runs XLA's formulation now and has a child process build the
+kernels at a lower priority, for the runner to measure and switch to between two steps
+(``StageRunner.adopt_built_kernels``); "cached" runs only kernels already built (a one-shot
+``pipejax generate``: a few prompts gain less from the kernels than their build costs).
 """
 
 from __future__ import annotations
@@ -33,22 +40,36 @@ KERNEL_CHOICES = ("auto", "xla", "cpu-kernel")
 # /proc/cpuinfo flags a verdict depends on (vector width, FMA, the matrix units)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
+KERNEL_NAMES = ("dense_matmuls", "decode_attention", "prefill_attention")
+KERNEL_BUILDS = ("background", "wait", "cached")
+KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args), passed down as KernelOptions.build
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
 
 
+def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
+    """``$PIPEJAX_CPU_KERNEL_BUILD`` in ``environ`` (unset or empty: ``default``), checked: for the edges that
+    read the environment (the engine's arguments, the vLLM platform)."""
+    value = environ.get(KERNEL_BUILD_ENV) or default
+    if value not in KERNEL_BUILDS:
+        raise ValueError(f"{KERNEL_BUILD_ENV}={value!r}; use one of {', '.join(KERNEL_BUILDS)}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
     """What a caller asks of the CPU backend: "auto" (measured), "xla" or "cpu-kernel" per kernel; how decode
-    steps run the layers ("auto", "scan", "unrolled"); and XLA's library for few-row dots ("auto", "ynnpack",
-    "eigen")."""
+    steps run the layers ("auto", "scan", "unrolled"); XLA's library for few-row dots ("auto", "ynnpack",
+    "eigen"); and how an "auto" kernel numba has not built yet is waited for (``KERNEL_BUILDS``, the module's
+    note). An explicit "cpu-kernel" is always built before the first step."""
 
     dense_matmuls: str = "auto"
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     decode_layers: str = "auto"
     few_row_dots: str = "auto"
+    build: str = "wait"
 
     def __post_init__(self):
         for name in ("dense_matmuls", "decode_attention", "prefill_attention"):
@@ -58,12 +79,16 @@ class KernelOptions:
             raise ValueError(f"decode_layers={self.decode_layers!r}; use 'auto', 'scan' or 'unrolled'")
         if self.few_row_dots not in ("auto", *dots.CHOICES):
             raise ValueError(f"few_row_dots={self.few_row_dots!r}; use 'auto', 'ynnpack' or 'eigen'")
+        if self.build not in KERNEL_BUILDS:
+            raise ValueError(f"CPU kernel build={self.build!r}; use 'background', 'wait' or 'cached' "
+                             f"(--cpu-kernel-build / {KERNEL_BUILD_ENV})")
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """What a stage runs: "cpu-kernel" or "xla" per kernel, "unrolled" or "scan" decode layers, the few-row dots'
-    library (None off CPU; "auto": measured at the first such step, ``dots``), and the measurements behind it."""
+    library (None off CPU; "auto": measured at the first such step, ``dots``), the measurements behind it, and
+    the kernels still to build (``pending``: running XLA's formulation until then)."""
 
     dense_matmuls: str
     decode_attention: str
@@ -71,6 +96,7 @@ class Selection:
     decode_layers: str
     few_row_dots: str | None
     measured: dict = dataclasses.field(default_factory=dict, compare=False)
+    pending: tuple[str, ...] = ()
 
     @property
     def panels(self) -> bool:
@@ -124,6 +150,15 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
                     f"{'installed' if numba_available() else 'missing'}")
             raise ValueError(f"{name}='cpu-kernel' needs {NEEDS[name]} (here: {here}); use 'auto'")
     auto = tuple(name for name, ok in fits.items() if ok and getattr(options, name) == "auto")
+    unbuilt = ()
+    if auto and options.build != "wait":
+        known = known_choices(cfg, len(devices), limits, remember_in)
+        unbuilt = tuple(n for n in auto if known.get(n, {}).get("choice") != "xla" and not built(n))
+        if unbuilt:
+            log.info("CPU kernels %s: not built on this host yet; XLA's formulation runs %s", ", ".join(unbuilt),
+                     "while they build in the background" if options.build == "background" else
+                     f"(build {options.build!r}: they are built where a stage waits for them, or in the background)")
+        auto = tuple(n for n in auto if n not in unbuilt)
     measured = measured_choices(cfg, len(devices), limits, auto, remember_in) if auto else {}
     chosen = {name: ("cpu-kernel" if getattr(options, name) == "cpu-kernel" else
                      measured[name]["choice"] if name in measured else "xla") for name in fits}
@@ -139,7 +174,31 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
         decode_layers="unrolled" if options.decode_layers != "scan" and native and on_cpu else "scan",
         few_row_dots=options.few_row_dots if on_cpu else None,
         measured=measured,
+        pending=unbuilt if options.build == "background" else (),
     )
+
+
+def _wrappers() -> dict:
+    """Each kernel's JAX side (its ``KERNEL``: the numba module; ``prepare()``: build or load it)."""
+    from pipejax.runner.cpu import decode_attention, dense, prefill_attention
+
+    return {"dense_matmuls": dense, "decode_attention": decode_attention, "prefill_attention": prefill_attention}
+
+
+def built(name: str) -> bool:
+    """Whether numba's cache holds kernel ``name`` (then it loads in well under a second)."""
+    from pipejax.runner.cpu import build
+
+    return build.cached(_wrappers()[name].KERNEL)
+
+
+def build_in_background(selection: Selection):
+    """A ``build.BackgroundBuild`` of ``selection.pending``'s kernels (None: nothing pending)."""
+    from pipejax.runner.cpu import build
+
+    if not selection.pending:
+        return None
+    return build.BackgroundBuild([_wrappers()[n].KERNEL for n in selection.pending])
 
 
 # --- measuring and remembering ---------------------------------------------------------------------------------
@@ -200,10 +259,8 @@ def measured_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, names: 
     """Per kernel of ``names``: {"choice": "cpu-kernel" | "xla", and the probes' medians in ms}, remembered
     (in the process; with ``remember_in``, in a file there) or measured now."""
     shapes = probe_shapes(cfg, tp, limits)
-    key = verdict_key(host_signature(), shapes)
-    path = os.path.join(remember_in, f"pipejax-cpu-kernels-{key}.json") if remember_in else None
-    known = dict(_remembered(path)) if path else {}
-    known.update(_in_process.get(key, {}))
+    key, path = _verdicts_at(shapes, remember_in)
+    known = known_choices(cfg, tp, limits, remember_in)
     missing = tuple(n for n in names if n not in known)
     if missing:
         found = measure(shapes, missing)
@@ -215,6 +272,20 @@ def measured_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, names: 
     log.info("CPU kernels (%s): %s", "remembered" if not missing else "measured here",
              "; ".join(f"{n} {v['choice']} ({_figures(v)})" for n, v in out.items()))
     return out
+
+
+def known_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, remember_in: str | None = None
+                  ) -> dict[str, dict]:
+    """The verdicts remembered for a stage of these shapes on this host (in the process, or in ``remember_in``)."""
+    key, path = _verdicts_at(probe_shapes(cfg, tp, limits), remember_in)
+    known = dict(_remembered(path)) if path else {}
+    known.update(_in_process.get(key, {}))
+    return known
+
+
+def _verdicts_at(shapes: dict[str, int], remember_in: str | None) -> tuple[str, str | None]:
+    key = verdict_key(host_signature(), shapes)
+    return key, os.path.join(remember_in, f"pipejax-cpu-kernels-{key}.json") if remember_in else None
 
 
 _in_process: dict[str, dict[str, dict]] = {}
@@ -252,10 +323,10 @@ def build_all(names: tuple[str, ...]) -> None:
     """Build (or load from numba's cache) the kernels of ``names`` before any probe is timed: those not in the
     cache compile at once, the first here and the others in child processes (``build.fill_cache_alongside``),
     so a fresh install waits for its slowest kernel rather than for their sum."""
-    from pipejax.runner.cpu import build, decode_attention, dense, prefill_attention
+    from pipejax.runner.cpu import build
 
-    wrapper = {"dense_matmuls": dense, "decode_attention": decode_attention, "prefill_attention": prefill_attention}
-    cold = [n for n in names if not build.cached(wrapper[n].KERNEL)]
+    wrapper = _wrappers()
+    cold = [n for n in names if not built(n)]
     children = build.fill_cache_alongside([wrapper[n].KERNEL for n in cold[1:]])
     try:
         if cold:
