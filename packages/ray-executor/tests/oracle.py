@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 import transformers
 from pipejax_test_support import hf_greedy
 
 from pipejax.runner.builtin_model import write_checkpoint
 
-__all__ = ["hf_greedy", "make_checkpoint", "mixed_prompts"]
+__all__ = ["hf_greedy", "hf_greedy_with", "make_checkpoint", "mixed_prompts", "only", "vllm_penalties"]
 
 TINY = {
     "vocab_size": 160,
@@ -39,3 +40,35 @@ def make_checkpoint(path, arch: str, seed: int = 0, **overrides) -> transformers
 def mixed_prompts(n: int, seed: int = 0, vocab: int = 160) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, 40))] for _ in range(n)]
+
+
+def hf_greedy_with(model, prompt: list[int], new: int, adjust=None, stop: int | None = None, **processors) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (``new`` tokens): through ``generate`` with its logits
+    ``processors`` (e.g. ``repetition_penalty``), or step by step with ``adjust(logits, prompt, outputs)`` (numpy)
+    applied to its logits; ``stop``: its eos token."""
+    with torch.no_grad():
+        if adjust is None:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
+                                 **processors)
+            return out[0, len(prompt):].tolist()
+        outputs: list[int] = []
+        for _ in range(new):
+            logits = model(torch.tensor([prompt + outputs])).logits[0, -1].numpy().astype(np.float64)
+            outputs.append(int(np.argmax(adjust(logits, prompt, outputs))))
+        return outputs
+
+
+def vllm_penalties(presence: float, frequency: float):
+    """vLLM's presence and frequency penalties: over the output's token counts."""
+    def adjust(logits, prompt, outputs):
+        counts = np.bincount(outputs, minlength=logits.size).astype(np.float64)
+        return logits - frequency * counts - presence * (counts > 0)
+    return adjust
+
+
+def only(allowed: list[int]):
+    def adjust(logits, prompt, outputs):
+        masked = np.full_like(logits, -np.inf)
+        masked[allowed] = logits[allowed]
+        return masked
+    return adjust

@@ -259,3 +259,60 @@ def test_no_logprobs_wanted_gives_the_same_tokens():
     assert bare.top_ids.shape == (ROWS, 0)
     out = to_sampler_output(0, [f"r{i}" for i in range(ROWS)], bare, ROWS, [None] * ROWS)
     assert out.token_ids == tuple(np.asarray(bare.tokens).tolist())
+
+
+def _vllm_reference(logits: np.ndarray, request) -> np.ndarray:
+    """vLLM v1's logits shaping for one request, in numpy: allowed ids, bad words (their prefix must end the
+    output), min_tokens, logit_bias, then the repetition (prompt and output), frequency and presence penalties."""
+
+    p, x = request.sampling, logits.astype(np.float64).copy()
+    history = list(request.history or ())
+    outputs = history[len(history) - request.output_index:]
+    if p.allowed_token_ids is not None:
+        keep = np.zeros(x.size, bool)
+        keep[list(p.allowed_token_ids)] = True
+        x[~keep] = -np.inf
+    for word in p.bad_words_token_ids:
+        if len(word) == 1 or (len(word) - 1 <= len(outputs) and tuple(outputs[-(len(word) - 1):]) == word[:-1]):
+            x[word[-1]] = -np.inf
+    if request.output_index < p.min_tokens:
+        x[list(p.min_tokens_stop_ids)] = -np.inf
+    for token, bias in p.logit_bias:
+        x[token] += bias
+    if history:
+        seen = np.zeros(x.size, bool)
+        seen[history] = True
+        x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+        counts = np.bincount(outputs, minlength=x.size)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return x
+
+
+def test_logits_adjustment_is_vllms_per_row():
+    """Each row shaped as vLLM would, rows that ask nothing untouched, padding rows dropped; a batch where no row
+    asks builds nothing (the plain sampler program runs)."""
+    from pipejax.runner.batch import ScheduledRequest
+    from pipejax.runner.sampler import LogitsAdjustment, _adjust
+
+    vocab = 64
+    plain = ScheduledRequest("plain", (1,), 0, (1,), GREEDY)
+    assert LogitsAdjustment.build([plain, plain], 4, vocab) is None
+    history = (5, 9, 9, 3, 7, 9, 12, 3)  # 5 prompt tokens, then 3 outputs: 9, 12, 3
+    asks = [
+        SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=-0.3),
+        SamplingParams(logit_bias={4: 2.5, 60: -100.0}, allowed_token_ids=(4, 9, 12, 33, 60)),
+        SamplingParams(bad_words_token_ids=((20,), (12, 3, 40), (9, 41), (3, 5, 8))),  # (3, 5, 8): prompt only
+        SamplingParams(min_tokens=4, min_tokens_stop_ids=(2, 7), logit_bias={2: 1.0}),
+        SamplingParams(min_tokens=3, min_tokens_stop_ids=(2, 7)),  # reached: nothing banned
+    ]
+    requests = [ScheduledRequest(f"r{i}", (3,), 7, (1,), p, output_index=3,
+                                 history=history if p.needs_history else None) for i, p in enumerate(asks)]
+    requests.append(plain)
+    logits = np.random.default_rng(0).normal(0, 3, (8, vocab)).astype(np.float32)
+    adj = LogitsAdjustment.build(requests, 8, vocab)
+    got = np.asarray(_adjust(logits, adj))
+    for row, request in enumerate(requests):
+        np.testing.assert_allclose(got[row], _vllm_reference(logits[row], request), rtol=1e-6, err_msg=str(row))
+    np.testing.assert_array_equal(got[len(requests):], logits[len(requests):])
+    assert np.isneginf(got[2, [20, 40]]).all() and not np.isneginf(got[2, [41, 8]]).any()
+    assert np.isneginf(got[3, [2, 7]]).all() and not np.isneginf(got[4]).any()

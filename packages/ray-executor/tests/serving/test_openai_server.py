@@ -153,7 +153,12 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, client):
         '{"prompt": "x", "data_parallel_rank": 7}': "data_parallel_rank=7 is out of range",
         '{"prompt": [1, 99999]}': "outside the vocabulary",
         '{"prompt": "x", "max_tokens": 100000}': "maximum context length",
-        '{"prompt": "x", "presence_penalty": 0.5}': "not supported",
+        '{"prompt": "x", "echo": true}': "not supported",
+        '{"prompt": "x", "presence_penalty": 3}': "presence_penalty=3",
+        '{"prompt": "x", "repetition_penalty": 0}': "repetition_penalty=0",
+        '{"prompt": "x", "logit_bias": {"99999": 5}}': "[99999] outside the vocabulary",
+        '{"prompt": "x", "logit_bias": {"1": 500}}': "each bias must be in [-100, 100]",
+        '{"prompt": "x", "min_tokens": 5, "max_tokens": 2}': "min_tokens=5 must not exceed max_tokens=2",
         '{"max_tokens": 3}': "prompt",
     }
     for body, expected in cases.items():
@@ -169,8 +174,13 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, client):
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="builtin", prompt="x", max_tokens=-5)
-    # ... and the server keeps serving.
+    # ... and the server keeps serving, penalties and vLLM's extensions included (their effect: the oracle tests).
     assert client.completions.create(model="builtin", prompt="still here", max_tokens=2).choices[0].text is not None
+    shaped = client.completions.create(
+        model="builtin", prompt="still here", max_tokens=4, temperature=0, presence_penalty=0.5,
+        frequency_penalty=0.3, logit_bias={"5": -100},
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 4, "bad_words": ["here"], "allowed_token_ids": None})
+    assert shaped.choices[0].finish_reason == "length" and shaped.usage.completion_tokens == 4
 
 
 def test_api_key_is_required_on_v1(server):

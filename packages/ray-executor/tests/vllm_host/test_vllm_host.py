@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from oracle import TINY, make_checkpoint  # the ray-executor tests' tiny checkpoints
+from oracle import TINY, hf_greedy_with, make_checkpoint, only, vllm_penalties  # the ray-executor tests' oracle
 from pipejax_test_support import hf_greedy
 
 from pipejax.runner.builtin_model import write_byte_tokenizer
@@ -319,17 +319,38 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
     assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == chat.choices[0].message.content
 
 
+def test_vllm_serve_shapes_logits_as_transformers_does(vllm_server, llama):
+    """Penalties, logit bias, min_tokens and allowed token ids under vLLM (its scheduler, pipejax's stages at
+    pp=2 x tp=2), greedy, token-identical to transformers' processors or its logits with vLLM's formula."""
+    import openai
+
+    path, model = llama
+    client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
+    prompt = [ord(c) for c in "Shape the logits "]
+    first = hf_greedy_with(model, prompt, MAX_TOKENS)
+    cases = [  # (vLLM's request fields, transformers' equivalent)
+        ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+        ({"presence_penalty": 1.5, "frequency_penalty": 0.7}, {"adjust": vllm_penalties(1.5, 0.7)}),
+        ({"logit_bias": {str(first[0]): -100, str(first[4]): 7.5}},
+         {"sequence_bias": {(first[0],): -100.0, (first[4],): 7.5}}),
+        ({"min_tokens": 6, "stop_token_ids": [first[1]]}, {"min_new_tokens": 6, "stop": first[1]}),
+        ({"allowed_token_ids": [first[3], 40, 71, 100]}, {"adjust": only([first[3], 40, 71, 100])}),
+    ]
+    for ours, theirs in cases:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True, **ours})
+        want = hf_greedy_with(model, prompt, MAX_TOKENS, **theirs)
+        assert got.choices[0].token_ids == want != first, ours
+
+
 def test_vllm_serve_refuses_unsupported_sampling_and_keeps_serving(vllm_server):
     import openai
 
     client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
-    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
-        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
-                                  extra_body={"repetition_penalty": 1.3})
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, logit_bias={"9": 5})
     with pytest.raises(openai.BadRequestError, match="structured"):
         client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
     ok = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert ok.choices[0].text is not None and ok.usage.completion_tokens >= 1

@@ -72,10 +72,7 @@ def test_unsupported_engine_configs_are_refused_by_name(checkpoint, kwargs, name
         EngineArgs(model=checkpoint, **kwargs).create_engine_config()
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"repetition_penalty": 1.2}, {"min_tokens": 3},
-    {"logit_bias": {5: 1.0}}, {"allowed_token_ids": [5, 6]}, {"bad_words": ["x"]}, {"prompt_logprobs": 2},
-])
+@pytest.mark.parametrize("kwargs", [{"prompt_logprobs": 2}, {"logprobs": -1}])
 def test_unsupported_sampling_is_refused_by_name(kwargs):
     params = vllm.SamplingParams(**kwargs)
     name = next(iter(kwargs))
@@ -92,4 +89,12 @@ def test_supported_sampling_translates():
         0.7, 0.9, 20, 0.05, 3, 4)
     greedy = to_sampling_params(vllm.SamplingParams(temperature=0, top_p=0.5, top_k=3))
     assert (greedy.temperature, greedy.top_p, greedy.top_k) == (0.0, 1.0, 0)
+    shaped = vllm.SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                                 min_tokens=3, logit_bias={5: 1.0}, allowed_token_ids=[5, 6, 9], stop_token_ids=[9])
+    shaped._bad_words_token_ids = [[7], [8, 9]]  # what vLLM's input processor makes of bad_words=[...]
+    ours = to_sampling_params(shaped)
+    assert (ours.presence_penalty, ours.frequency_penalty, ours.repetition_penalty, ours.min_tokens) == (
+        0.5, -0.5, 1.2, 3)
+    assert ours.logit_bias == ((5, 1.0),) and ours.allowed_token_ids == (5, 6, 9) and 9 in ours.min_tokens_stop_ids
+    assert ours.bad_words_token_ids == ((7,), (8, 9)) and ours.needs_history
     PipejaxPlatform.validate_request(None, vllm.SamplingParams(temperature=0.7, top_k=20, logprobs=4))

@@ -19,6 +19,14 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. ``seed`` makes one request's samples reproducible whatever it is batched with.
     ``logprobs=N`` returns the sampled token's logprob and the top N.
+
+    What shapes the logits before sampling, with vLLM's meaning (``sampler.LogitsAdjustment``):
+    ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative one of every token
+    in the prompt or the output; ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract once per
+    token present in the output and once per occurrence; ``logit_bias`` adds per token id (-100..100);
+    ``allowed_token_ids`` keeps only those; ``bad_words_token_ids`` never completes one of those token sequences
+    in the output; ``min_tokens`` keeps ``min_tokens_stop_ids`` (set by the engine: the end-of-sequence ids
+    and ``stop_token_ids``) from being sampled before that many tokens.
     """
 
     n: int = 1
@@ -33,12 +41,29 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is taken too
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # the engine adds their token sequences to bad_words_token_ids
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or ())
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                           else tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids or ()))
+        object.__setattr__(self, "min_tokens_stop_ids", tuple(self.min_tokens_stop_ids or ()))
         problems = []
         if not isinstance(self.n, int) or self.n < 1:
             problems.append(f"n={self.n!r} must be an integer >= 1")
@@ -58,12 +83,39 @@ class SamplingParams:
             problems.append(f"seed={self.seed!r} must be an integer")
         if any(not s for s in self.stop):
             problems.append(f"stop={self.stop!r} must not contain empty strings")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            problems.append(f"repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name}={getattr(self, name)!r} must be in [-2, 2] (0 = off)")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            problems.append(f"min_tokens={self.min_tokens!r} must be an integer >= 0")
+        elif self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            problems.append(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        if any(not _finite(b) or not -100 <= b <= 100 for _, b in self.logit_bias):
+            problems.append(f"logit_bias={dict(self.logit_bias)!r}: each bias must be in [-100, 100]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            problems.append("allowed_token_ids=[] would allow no token; leave it out to allow all")
+        if any(not w for w in self.bad_words_token_ids):
+            problems.append("bad_words_token_ids must not contain an empty word")
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler needs the request's tokens so far (``ScheduledRequest.history``): a penalty, or a
+        bad word of several tokens."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or any(len(w) > 1 for w in self.bad_words_token_ids))
+
+    def token_ids_used(self) -> set[int]:
+        """Every token id the parameters name (for checking them against a vocabulary)."""
+        used = {t for t, _ in self.logit_bias} | set(self.allowed_token_ids or ())
+        return used.union(*self.bad_words_token_ids)
 
 
 def _finite(x) -> bool:
@@ -87,6 +139,9 @@ class ScheduledRequest:
     sampling: SamplingParams = SamplingParams()
     sample: bool = True
     output_index: int = 0
+    # the request's tokens at positions 0 .. end_position (prompt, then outputs), where its sampling
+    # ``needs_history`` (the last stage's penalties and bad words); else None
+    history: tuple[int, ...] | None = None
 
     @property
     def end_position(self) -> int:

@@ -23,7 +23,7 @@ from pipejax.runner.cpu.select import KERNEL_NAMES, KernelOptions, Selection, bu
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import NATIVE, get_model_impl
-from pipejax.runner.sampler import SamplingMetadata, to_sampler_output
+from pipejax.runner.sampler import LogitsAdjustment, SamplingMetadata, to_sampler_output
 from pipejax.runner.sampler import sample as sample_tokens
 
 log = logging.getLogger(__name__)
@@ -281,7 +281,8 @@ class StageRunner:
         asked = [n for n in wanted if n is not None]
         most = max(asked, default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
-        result = sample_tokens(logits, meta, num_logprobs=num_logprobs)
+        adjust = LogitsAdjustment.build(batch.requests, num_rows, self.cfg.vocab_size)
+        result = sample_tokens(logits, meta, num_logprobs=num_logprobs, adjust=adjust)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]  # a prefill chunk short of the end samples none
         return to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted,
                                  keep=keep)

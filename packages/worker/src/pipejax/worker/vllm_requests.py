@@ -28,17 +28,7 @@ class UnsupportedFeatureError(ValueError):
 def unsupported_sampling(params) -> list[str]:
     """What of vLLM's ``SamplingParams`` pipejax cannot honour, each named with its value (empty: all fine)."""
     found = []
-    for name, neutral in (
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-        ("min_tokens", 0),
-    ):
-        value = getattr(params, name, neutral)
-        if value != neutral:
-            found.append(f"{name}={value!r}")
-    for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "prompt_logprobs",
-                 "logits_processors"):
+    for name in ("structured_outputs", "prompt_logprobs", "logits_processors"):
         value = getattr(params, name, None)
         if value:
             found.append(f"{name}={value!r}")
@@ -56,6 +46,7 @@ def to_sampling_params(params) -> SamplingParams:
     if problems:
         raise UnsupportedFeatureError(f"pipejax does not support {', '.join(problems)}")
     greedy = params.temperature < GREEDY_EPS
+    min_tokens = int(getattr(params, "min_tokens", 0) or 0)
     return SamplingParams(
         temperature=0.0 if greedy else float(params.temperature),
         top_p=1.0 if greedy else float(params.top_p),
@@ -64,6 +55,15 @@ def to_sampling_params(params) -> SamplingParams:
         seed=params.seed,
         max_tokens=None,
         logprobs=params.logprobs,
+        # penalties and logits shaping, as vLLM's sampler applies them (its processor tokenized the bad words)
+        repetition_penalty=float(getattr(params, "repetition_penalty", 1.0)),
+        presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
+        frequency_penalty=float(getattr(params, "frequency_penalty", 0.0)),
+        min_tokens=min_tokens,
+        min_tokens_stop_ids=tuple(sorted(getattr(params, "all_stop_token_ids", ()) or ())) if min_tokens else (),
+        logit_bias={int(t): float(b) for t, b in (getattr(params, "logit_bias", None) or {}).items()},
+        allowed_token_ids=getattr(params, "allowed_token_ids", None) or None,
+        bad_words_token_ids=tuple(tuple(w) for w in getattr(params, "bad_words_token_ids", None) or ()),
     )
 
 
@@ -141,6 +141,7 @@ class RequestStates:
                 sampling=state.sampling,
                 sample=end == len(state.tokens),  # a prefill chunk short of the prompt's end samples nothing
                 output_index=end - state.prompt_len,
+                history=tuple(state.tokens[:end]) if state.sampling.needs_history else None,
             ))
         self.counts["steps"] += 1
         return ModelBatch(step_id, tuple(out))

@@ -125,6 +125,7 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} leaves no room to generate; "
                 f"shorten the prompt to at most {self.max_model_len - 1} tokens"
             )
+        sampling = self._resolve_sampling(request_id, sampling)
         room = self.max_model_len - len(token_ids)
         max_tokens = min(sampling.max_tokens or room, room)
         if len(resume_token_ids) >= max_tokens:
@@ -134,6 +135,32 @@ class LLMEngine:
         if resume_token_ids:
             req.resume([int(t) for t in resume_token_ids])
         self.scheduler.add(req)
+
+    def _resolve_sampling(self, request_id: str, sampling: SamplingParams) -> SamplingParams:
+        """``sampling`` checked against the vocabulary, with what the sampler needs from the tokenizer: the bad
+        words as token sequences (each as written and after a space, as vLLM encodes them) and the ids
+        ``min_tokens`` holds back (the end-of-sequence ids and ``stop_token_ids``)."""
+        changes = {}
+        if sampling.bad_words:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: bad_words need the model's tokenizer; give "
+                                 f"bad_words_token_ids instead")
+            words = list(sampling.bad_words_token_ids)
+            for word in sampling.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    if ids and ids not in words:
+                        words.append(ids)
+            changes["bad_words_token_ids"] = tuple(words)
+        if sampling.min_tokens:
+            eos = () if sampling.ignore_eos else tuple(sorted(self.eos_token_ids))
+            changes["min_tokens_stop_ids"] = tuple(dict.fromkeys(eos + sampling.stop_token_ids))
+        sampling = dataclasses.replace(sampling, **changes) if changes else sampling
+        bad = sorted(t for t in sampling.token_ids_used() if not 0 <= t < self.model_config.vocab_size)
+        if bad:
+            raise ValueError(f"request {request_id!r}: logit_bias / allowed_token_ids / bad words name token ids "
+                             f"{bad[:5]} outside the vocabulary [0, {self.model_config.vocab_size})")
+        return sampling
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)

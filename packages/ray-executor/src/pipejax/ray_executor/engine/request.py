@@ -124,6 +124,8 @@ class Request:
             self.logprobs.append(logprobs)
         if self._detok is not None:
             self.text += self._detok.add([token])
+        if len(self.output_token_ids) < self.sampling.min_tokens:  # no stop before min_tokens (as vLLM)
+            return
         if token in self.eos_token_ids:
             self._finish("stop", token)
         elif token in self.sampling.stop_token_ids:

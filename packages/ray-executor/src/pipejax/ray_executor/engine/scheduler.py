@@ -101,6 +101,8 @@ class Scheduler:
                     sampling=req.sampling,
                     sample=start + num_new == req.num_tokens,
                     output_index=len(req.output_token_ids),
+                    history=req.token_ids(0, start + num_new)
+                    if req.sampling.needs_history and start + num_new == req.num_tokens else None,
                 )
             )
             req.num_computed_tokens += num_new

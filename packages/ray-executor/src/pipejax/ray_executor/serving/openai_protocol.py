@@ -1,7 +1,9 @@
 """The OpenAI-compatible request bodies (pydantic, validated by FastAPI) and the error body.
 
 Unknown fields are accepted and ignored, as the established servers do; fields pipejax cannot honour
-(penalties, ``echo``, ``suffix``, ``best_of`` > ``n``) are refused with a 400 rather than ignored.
+(``echo``, ``suffix``, ``best_of`` > ``n``) are refused with a 400 rather than ignored. Besides OpenAI's
+penalties and ``logit_bias``, vLLM's extensions ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids`` and
+``bad_words`` are taken, with vLLM's meaning.
 """
 
 from __future__ import annotations
@@ -54,24 +56,30 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension, as the ones below
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # OpenAI's keys: token ids as strings
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     data_parallel_rank: int | None = None  # pipejax/vLLM extension: pin the request to one DP engine
 
-    def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name}={getattr(self, name)} is not supported by pipejax; leave it at 0",
-                               param=name)
-
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        self._check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias={self.logit_bias!r}: its keys must be token ids", "logit_bias") from None
         try:
             return SamplingParams(
                 n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 seed=self.seed, max_tokens=max_tokens, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_tokens=self.min_tokens, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
+                bad_words=tuple(self.bad_words or ()),
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

@@ -1,0 +1,62 @@
+"""Penalties, logit bias, ``min_tokens``, bad words and allowed token ids through the whole engine at pp=2 x tp=2,
+greedy, token-identical to transformers on the same checkpoint: its own logits processors where it has them
+(``repetition_penalty``, ``bad_words_ids``, ``min_new_tokens``, ``sequence_bias``), else its logits with vLLM's
+formula applied in numpy (presence and frequency penalties, allowed token ids). All cases run in one engine, in
+one batch, next to plain requests that must get what they get alone."""
+
+import pytest
+from oracle import hf_greedy_with, make_checkpoint, mixed_prompts, only, vllm_penalties
+
+from pipejax.ray_executor import LLM, SamplingParams
+
+PROMPTS = mixed_prompts(4, seed=5)
+NEW = 12
+PLAIN = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    model = make_checkpoint(path, "LlamaForCausalLM", seed=3)  # a seed whose greedy outputs vary
+    llm = LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, block_size=8, num_kv_blocks=200,
+              warmup=False)
+    yield llm, model
+    llm.shutdown()
+
+
+def test_every_adjustment_matches_transformers_in_one_mixed_batch(setup):
+    llm, model = setup
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PLAIN)]
+    first = plain[0]
+    assert first == hf_greedy_with(model, PROMPTS[0], NEW)
+    stop, pair = first[1], (first[2], first[3])
+    assert first[2] not in (p[-1] for p in PROMPTS)  # transformers' bad words also look at the prompt; vLLM's not
+    cases = {  # name: (pipejax's parameters, transformers' equivalent)
+        "repetition": ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.8}),
+        "bias": ({"logit_bias": {first[0]: -100.0, first[4]: 7.5}},
+                 {"sequence_bias": {(first[0],): -100.0, (first[4],): 7.5}}),
+        "bad word": ({"bad_words_token_ids": ((first[5],),)}, {"bad_words_ids": [[first[5]]]}),
+        "bad pair": ({"bad_words_token_ids": (pair,)}, {"bad_words_ids": [list(pair)]}),
+        "min_tokens": ({"min_tokens": 6, "stop_token_ids": (stop,)}, {"min_new_tokens": 6, "stop": stop}),
+        "presence+frequency": ({"presence_penalty": 1.5, "frequency_penalty": 0.7},
+                               {"adjust": vllm_penalties(1.5, 0.7)}),
+        "allowed": ({"allowed_token_ids": (first[3], 7, 11, 50)}, {"adjust": only([first[3], 7, 11, 50])}),
+    }
+    prompts, params, expected = [], [], []
+    for ours, theirs in cases.values():
+        for prompt in PROMPTS:
+            prompts.append({"prompt_token_ids": prompt})
+            params.append(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, **ours))
+            expected.append(hf_greedy_with(model, prompt, NEW, **theirs))
+        prompts.append({"prompt_token_ids": PROMPTS[1]})  # a plain request next to each case's
+        params.append(PLAIN)
+        expected.append(plain[1])
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    names = [name for name in cases for _ in range(len(PROMPTS) + 1)]
+    mismatched = [(n, g, e) for n, g, e in zip(names, got, expected, strict=True) if g != e]
+    assert not mismatched, mismatched
+    # each case changed prompt 0's output, so each comparison could have failed
+    row0 = {name: got[k * (len(PROMPTS) + 1)] for k, name in enumerate(cases)}
+    assert all(out != first for out in row0.values()), row0
+    assert row0["bad pair"][:3] == first[:3] and row0["bad pair"][3] != first[3]  # banned after its first token
+    assert len(row0["min_tokens"]) >= 6 and stop not in row0["min_tokens"][:6]  # plain stops at token 2
