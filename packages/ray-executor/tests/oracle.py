@@ -11,7 +11,8 @@ from pipejax_test_support import hf_greedy
 
 from pipejax.runner.builtin_model import write_checkpoint
 
-__all__ = ["hf_greedy", "hf_greedy_with", "make_checkpoint", "mixed_prompts", "only", "vllm_penalties"]
+__all__ = ["choice_mask", "hf_greedy", "hf_greedy_with", "make_checkpoint", "mixed_prompts", "only", "vllm_penalties",
+           "write_byte_tokenizer"]
 
 TINY = {
     "vocab_size": 160,
@@ -70,5 +71,49 @@ def only(allowed: list[int]):
     def adjust(logits, prompt, outputs):
         masked = np.full_like(logits, -np.inf)
         masked[allowed] = logits[allowed]
+        return masked
+    return adjust
+
+
+def write_byte_tokenizer(path, vocab: int = TINY["vocab_size"]) -> list[str]:
+    """A tokenizer.json for the tiny checkpoints: ids 0-2 the special tokens, then one token per byte (GPT-2's
+    byte-level alphabet: printable ASCII first, space and newline among them), no merges. Returns each id's text."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    to_char = {b: c for b, c in enumerate(_bytes_to_unicode())}
+    order = [*range(33, 127), 32, 10, *[b for b in range(256) if b not in range(32, 127) and b != 10]]
+    pieces = ["<unk>", "<s>", "</s>"] + [to_char[b] for b in order][: vocab - 3]
+    assert set(pieces[3:]) <= set(alphabet)
+    tok = tokenizers.Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    return [p if i < 3 else bytes([order[i - 3]]).decode("latin-1") for i, p in enumerate(pieces)]
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte 0..255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def choice_mask(choices: list[str], texts: list[str]):
+    """Greedy under a choice grammar, computed without a grammar engine: a token is allowed where the output's
+    text followed by it is still the start of one of ``choices`` (``texts``: each token id's text)."""
+    def adjust(logits, prompt, outputs):
+        done = "".join(texts[t] for t in outputs)
+        masked = np.full_like(logits, -np.inf)
+        ok = [t for t in range(3, len(texts)) if any(c.startswith(done + texts[t]) for c in choices)]
+        masked[ok] = logits[ok]
         return masked
     return adjust

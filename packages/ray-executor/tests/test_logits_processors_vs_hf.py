@@ -1,31 +1,42 @@
 """Penalties, logit bias, ``min_tokens``, bad words and allowed token ids through the whole engine at pp=2 x tp=2,
 greedy, token-identical to transformers on the same checkpoint: its own logits processors where it has them
 (``repetition_penalty``, ``bad_words_ids``, ``min_new_tokens``, ``sequence_bias``), else its logits with vLLM's
-formula applied in numpy (presence and frequency penalties, allowed token ids). All cases run in one engine, in
-one batch, next to plain requests that must get what they get alone."""
+formula applied in numpy (presence and frequency penalties, allowed token ids). A choice (structured outputs) is
+checked against greedy over the tokens that keep the text the start of a choice, computed without a grammar
+engine. All cases run in one engine, in one batch, next to plain requests that must get what they get alone."""
 
 import pytest
-from oracle import hf_greedy_with, make_checkpoint, mixed_prompts, only, vllm_penalties
+from oracle import (
+    choice_mask,
+    hf_greedy_with,
+    make_checkpoint,
+    mixed_prompts,
+    only,
+    vllm_penalties,
+    write_byte_tokenizer,
+)
 
-from pipejax.ray_executor import LLM, SamplingParams
+from pipejax.ray_executor import LLM, SamplingParams, StructuredOutputs
 
 PROMPTS = mixed_prompts(4, seed=5)
 NEW = 12
 PLAIN = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+CHOICES = ["ab7", "a x", "zz9"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     model = make_checkpoint(path, "LlamaForCausalLM", seed=3)  # a seed whose greedy outputs vary
+    texts = write_byte_tokenizer(path)  # one token per byte: the grammar's tokens are characters
     llm = LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, block_size=8, num_kv_blocks=200,
               warmup=False)
-    yield llm, model
+    yield llm, model, texts
     llm.shutdown()
 
 
 def test_every_adjustment_matches_transformers_in_one_mixed_batch(setup):
-    llm, model = setup
+    llm, model, texts = setup
     plain = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PLAIN)]
     first = plain[0]
     assert first == hf_greedy_with(model, PROMPTS[0], NEW)
@@ -41,13 +52,17 @@ def test_every_adjustment_matches_transformers_in_one_mixed_batch(setup):
         "presence+frequency": ({"presence_penalty": 1.5, "frequency_penalty": 0.7},
                                {"adjust": vllm_penalties(1.5, 0.7)}),
         "allowed": ({"allowed_token_ids": (first[3], 7, 11, 50)}, {"adjust": only([first[3], 7, 11, 50])}),
+        "choice": ({"structured_outputs": StructuredOutputs(choice=CHOICES)}, {"adjust": choice_mask(CHOICES, texts)}),
     }
     prompts, params, expected = [], [], []
     for ours, theirs in cases.values():
         for prompt in PROMPTS:
             prompts.append({"prompt_token_ids": prompt})
             params.append(SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, **ours))
-            expected.append(hf_greedy_with(model, prompt, NEW, **theirs))
+            want = hf_greedy_with(model, prompt, NEW, **theirs)
+            if "structured_outputs" in ours:  # the request ends where its text completes a choice
+                want = want[:next(n for n in range(NEW) if "".join(texts[t] for t in want[:n]) in CHOICES)]
+            expected.append(want)
         prompts.append({"prompt_token_ids": PROMPTS[1]})  # a plain request next to each case's
         params.append(PLAIN)
         expected.append(plain[1])
@@ -58,5 +73,8 @@ def test_every_adjustment_matches_transformers_in_one_mixed_batch(setup):
     # each case changed prompt 0's output, so each comparison could have failed
     row0 = {name: got[k * (len(PROMPTS) + 1)] for k, name in enumerate(cases)}
     assert all(out != first for out in row0.values()), row0
+    constrained = [k for k, n in enumerate(names) if n == "choice" and k % (len(PROMPTS) + 1) < len(PROMPTS)]
+    chosen = {"".join(texts[t] for t in got[k]) for k in constrained}
+    assert chosen <= set(CHOICES) and len(chosen) > 1, chosen  # the model's logits picked, not the grammar
     assert row0["bad pair"][:3] == first[:3] and row0["bad pair"][3] != first[3]  # banned after its first token
     assert len(row0["min_tokens"]) >= 6 and stop not in row0["min_tokens"][:6]  # plain stops at token 2

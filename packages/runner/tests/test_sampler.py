@@ -316,3 +316,27 @@ def test_logits_adjustment_is_vllms_per_row():
     np.testing.assert_array_equal(got[len(requests):], logits[len(requests):])
     assert np.isneginf(got[2, [20, 40]]).all() and not np.isneginf(got[2, [41, 8]]).any()
     assert np.isneginf(got[3, [2, 7]]).all() and not np.isneginf(got[4]).any()
+
+
+def test_token_bitmask_limits_only_its_row():
+    """A structured output's bitmask (vLLM's layout: bit t % 32 of i32 word t // 32) leaves exactly its tokens to
+    its row, tokens past the mask's words are refused, and rows without a mask keep their logits."""
+    from pipejax.runner.batch import ScheduledRequest
+    from pipejax.runner.sampler import LogitsAdjustment, _adjust
+
+    vocab = 70  # three words, the last one partial
+    allowed = {0, 5, 31, 32, 63}  # the mask covers two words: 64..69 lie past it
+    words = np.zeros(2, np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    requests = [ScheduledRequest(f"r{i}", (1,), 0, (1,), GREEDY) for i in range(3)]
+    logits = np.random.default_rng(1).normal(0, 3, (4, vocab)).astype(np.float32)
+    adj = LogitsAdjustment.build(requests, 4, vocab, {"r1": words.view(np.int32)})
+    got = np.asarray(_adjust(logits, adj))
+    assert set(np.flatnonzero(np.isfinite(got[1]))) == allowed
+    np.testing.assert_array_equal(got[1, sorted(allowed)], logits[1, sorted(allowed)])
+    np.testing.assert_array_equal(got[[0, 2, 3]], logits[[0, 2, 3]])
+    meta = SamplingMetadata.build([(GREEDY, 0, r.request_id) for r in requests], 4, 0)
+    tokens = np.asarray(sample(logits, meta, num_logprobs=None, adjust=adj).tokens)
+    assert tokens[1] == max(allowed, key=lambda t: logits[1, t])
+    np.testing.assert_array_equal(tokens[[0, 2]], logits[[0, 2]].argmax(-1))

@@ -225,7 +225,7 @@ def _free_port() -> int:
 def vllm_server(llama, ray_cluster):
     """The README's ``PIPEJAX_PLATFORM=cpu vllm serve <checkpoint> -pp 2 -tp 2 --distributed-executor-backend ray``
     as written (vLLM's default start method, no RAY_ADDRESS: it joins the cluster above as a user's would), plus
-    the test's port, dtype and sizes."""
+    the test's port, dtype and sizes, and compact JSON for structured outputs (in vLLM 0.32 a server setting)."""
     import time
     import urllib.request
 
@@ -235,7 +235,8 @@ def vllm_server(llama, ray_cluster):
     vllm_cli = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm_cli), *(path if a == "/path/to/checkpoint" else a for a in argv[1:]),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
-           "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--served-model-name", "tiny"]
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
+           "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     env = {k: v for k, v in engine_env(**ray_cluster, **prefix).items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     log = open(Path(path) / "serve.log", "w")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -343,13 +344,46 @@ def test_vllm_serve_shapes_logits_as_transformers_does(vllm_server, llama):
         assert got.choices[0].token_ids == want != first, ours
 
 
+def test_vllm_serve_structured_outputs_hold_at_temperature_1(vllm_server):
+    """vLLM compiles each request's grammar and sends its token bitmask with the step; the last stage's sampler
+    keeps to it, for a choice, a regex and a JSON schema, in batches shared with free requests."""
+    import concurrent.futures
+    import re
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "ok": {"type": "boolean"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "ok", "n"], "additionalProperties": False}
+    asks = {"choice": {"choice": ["yes", "no", "maybe"]}, "regex": {"regex": "(yes|no)-[0-9]{3}"},
+            "json": {"json": schema}, "free": None}
+
+    def ask(kind: str, seed: int):
+        extra = {"structured_outputs": asks[kind]} if asks[kind] else {}
+        return kind, client.completions.create(model="tiny", prompt=[ord(c) for c in "Answer: "], max_tokens=40,
+                                               temperature=1.0, seed=seed, extra_body=extra).choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # constrained and free requests in one batch
+        answers = list(pool.map(lambda i: ask(list(asks)[i % 4], i), range(24)))
+    for kind, choice in answers:
+        if kind == "choice":
+            assert choice.text in ("yes", "no", "maybe"), choice.text
+        elif kind == "regex":
+            assert re.fullmatch(r"(yes|no)-[0-9]{3}", choice.text), choice.text
+        elif kind == "json":
+            assert choice.finish_reason == "stop", (choice.finish_reason, choice.text)
+            value = json.loads(choice.text)
+            assert set(value) == {"answer", "ok", "n"} and value["answer"] in ("yes", "no"), value
+            assert isinstance(value["ok"], bool) and 0 <= value["n"] <= 9, value
+    free = [c.text for k, c in answers if k == "free"]
+    assert not all(re.fullmatch(r"(yes|no|maybe)|(yes|no)-[0-9]{3}", t) for t in free), free  # unconstrained
+
+
 def test_vllm_serve_refuses_unsupported_sampling_and_keeps_serving(vllm_server):
     import openai
 
     client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
-    with pytest.raises(openai.BadRequestError, match="structured"):
-        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
-                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
     ok = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)

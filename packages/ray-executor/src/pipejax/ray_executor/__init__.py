@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from pipejax.ray_executor.engine.engine import LLMEngine
     from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
     from pipejax.ray_executor.llm import LLM
-    from pipejax.runner.batch import SamplingParams
+    from pipejax.runner.batch import SamplingParams, StructuredOutputs
 
 _PUBLIC = {
     "LLM": "pipejax.ray_executor.llm",
@@ -21,8 +21,9 @@ _PUBLIC = {
     "LLMEngine": "pipejax.ray_executor.engine.engine",
     "RequestOutput": "pipejax.ray_executor.engine.request",
     "SamplingParams": "pipejax.runner.batch",
+    "StructuredOutputs": "pipejax.runner.batch",
 }
-__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,38 @@ with a ``SamplerOutput``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """A grammar the whole output must follow (vLLM's ``StructuredOutputsParams``): exactly one of a JSON schema
+    (``json``, kept as JSON text; a dict is taken), any JSON object (``json_object``), a ``regex``, a ``choice``
+    of strings or a ``grammar`` (Lark or GBNF). ``disable_any_whitespace``: JSON without optional whitespace."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if self.json is not None and not isinstance(self.json, str):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        asked = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(asked) != 1:
+            raise ValueError(f"structured_outputs must name exactly one of json, json_object, regex, choice and "
+                             f"grammar; got {asked or 'none'}")
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise ValueError(f"structured_outputs.choice={list(self.choice)!r} must be non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +57,8 @@ class SamplingParams:
     token present in the output and once per occurrence; ``logit_bias`` adds per token id (-100..100);
     ``allowed_token_ids`` keeps only those; ``bad_words_token_ids`` never completes one of those token sequences
     in the output; ``min_tokens`` keeps ``min_tokens_stop_ids`` (set by the engine: the end-of-sequence ids
-    and ``stop_token_ids``) from being sampled before that many tokens.
+    and ``stop_token_ids``) from being sampled before that many tokens. ``structured_outputs``: a grammar the
+    output follows (the engine compiles it and sends each step's token bitmask, ``ScheduledRequest.token_bitmask``).
     """
 
     n: int = 1
@@ -50,6 +82,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # the engine adds their token sequences to bad_words_token_ids
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens_stop_ids: tuple[int, ...] = ()
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -142,6 +175,9 @@ class ScheduledRequest:
     # the request's tokens at positions 0 .. end_position (prompt, then outputs), where its sampling
     # ``needs_history`` (the last stage's penalties and bad words); else None
     history: tuple[int, ...] | None = None
+    # what the request's grammar allows next (structured outputs): i32 words as bytes, bit t % 32 of word t // 32
+    # allowing token t (vLLM's layout); None: no constraint
+    token_bitmask: bytes | None = None
 
     @property
     def end_position(self) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -247,7 +248,9 @@ class StageRunner:
         out, self.kv_cache = step(params, self._require_cache(), inputs, hidden_in, shape=shape)
         return out
 
-    def _forward(self, batch: ModelBatch, intermediate: IntermediateTensors | None, shape: StepShape | None = None):
+    def forward_batch(self, batch: ModelBatch, intermediate: IntermediateTensors | None,
+                      shape: StepShape | None = None) -> tuple[jax.Array, StepShape]:
+        """``forward`` of ``batch`` (``intermediate``: the previous stage's activations): its output and step shape."""
         shape, inputs = self.prepare_inputs(batch, shape)
         hidden_in = None
         if not self.stage.is_first:
@@ -262,7 +265,7 @@ class StageRunner:
         self, batch: ModelBatch, intermediate: IntermediateTensors | None = None, shape: StepShape | None = None
     ) -> IntermediateTensors | SamplerOutput:
         """One step of ``batch`` (``shape``: its ``step_shape``, where the caller found it already)."""
-        out, shape = self._forward(batch, intermediate, shape)
+        out, shape = self.forward_batch(batch, intermediate, shape)
         if not self.stage.is_last:
             return IntermediateTensors({"hidden_states": out})
         return self.sample(batch, out, shape.rows)
@@ -270,18 +273,20 @@ class StageRunner:
     def logits(self, batch: ModelBatch, intermediate: IntermediateTensors | None = None) -> np.ndarray:
         """Last stage only: raw logits [num requests, V] at each request's last token (tests, scoring)."""
         assert self.stage.is_last
-        out, _ = self._forward(batch, intermediate)
+        out, _ = self.forward_batch(batch, intermediate)
         return np.asarray(out)[: len(batch.requests)]
 
-    def sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int) -> SamplerOutput:
-        """Last stage: the sampled tokens of ``batch``'s sampling rows from its step's logits ([num_rows, V])."""
+    def sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int,
+               bitmasks: Mapping[str, np.ndarray] | None = None) -> SamplerOutput:
+        """Last stage: the sampled tokens of ``batch``'s sampling rows from its step's logits ([num_rows, V]);
+        ``bitmasks``: request id -> the token bitmask its structured output allows now (vLLM's layout)."""
         rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
         meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
         wanted = [r.sampling.logprobs for r in batch.requests]
         asked = [n for n in wanted if n is not None]
         most = max(asked, default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
-        adjust = LogitsAdjustment.build(batch.requests, num_rows, self.cfg.vocab_size)
+        adjust = LogitsAdjustment.build(batch.requests, num_rows, self.cfg.vocab_size, bitmasks)
         result = sample_tokens(logits, meta, num_logprobs=num_logprobs, adjust=adjust)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]  # a prefill chunk short of the end samples none
         return to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted,

@@ -11,14 +11,15 @@ Keys are made on the host: a seeded request's key depends only on ``(seed, outpu
 its samples do not depend on its batch or the step; an unseeded one's on ``(step_seed, row)``.
 
 Before any of that, rows whose parameters ask for it get their logits shaped (``LogitsAdjustment``), in vLLM
-v1's order: allowed token ids, bad words, ``min_tokens`` and ``logit_bias``, then the repetition, frequency and
-presence penalties. The adjustment is a second pytree argument whose arrays are padded to power-of-two widths;
-a step where no row asks passes None, and compiles and runs the sampler it did before.
+v1's order: a structured output's token bitmask (its grammar's next allowed tokens), allowed token ids, bad
+words, ``min_tokens`` and ``logit_bias``, then the repetition, frequency and presence penalties. The adjustment
+is a second pytree argument whose arrays are padded to power-of-two widths; a step where no row asks passes
+None, and compiles and runs the sampler it did before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -102,14 +103,20 @@ class LogitsAdjustment(NamedTuple):
     bias: np.ndarray | jax.Array  # f32[R, B]
     allowed_ids: np.ndarray | jax.Array  # i32[R, A]
     restricted: np.ndarray | jax.Array  # bool[R]: only ``allowed_ids`` may be sampled
+    bitmask: np.ndarray | jax.Array  # i32[R, ceil(V / 32)] (or [R, 0]): bit t % 32 of word t // 32 allows token t
 
     @classmethod
-    def build(cls, requests: Sequence, num_rows: int, vocab: int) -> LogitsAdjustment | None:
-        """For ``requests`` (``ScheduledRequest``s, one row each) padded to ``num_rows``; None where none asks."""
+    def build(cls, requests: Sequence, num_rows: int, vocab: int,
+              bitmasks: Mapping[str, np.ndarray] | None = None) -> LogitsAdjustment | None:
+        """For ``requests`` (``ScheduledRequest``s, one row each) padded to ``num_rows``; ``bitmasks``: request id
+        -> its grammar's token bitmask for this step (vLLM's layout; else a request's own ``token_bitmask``); None
+        where nothing asks."""
         histories = [r.history if r.history is not None and r.sampling.needs_history else () for r in requests]
+        masks = [_bitmask(r, bitmasks) for r in requests]
         biases = [list(r.sampling.logit_bias) + [(t, -np.inf) for t in _banned(r)] for r in requests]
         allowed = [r.sampling.allowed_token_ids for r in requests]
-        if not any(biases) and not any(h for h in histories) and all(a is None for a in allowed):
+        if (not any(biases) and not any(h for h in histories) and all(a is None for a in allowed)
+                and all(m is None for m in masks)):
             return None
         L = _width(max(map(len, histories), default=0))
         B = _width(max(map(len, biases), default=0))
@@ -121,7 +128,14 @@ class LogitsAdjustment(NamedTuple):
         bias = np.zeros((num_rows, B), np.float32)
         allowed_ids = np.full((num_rows, A), vocab, np.int32)
         restricted = np.zeros(num_rows, bool)
+        words = -(-vocab // 32)
+        constrained = any(m is not None for m in masks)
+        bitmask = np.full((num_rows, words if constrained else 0), -1, np.int32)  # -1: every token allowed
         for row, r in enumerate(requests):
+            if (mask := masks[row]) is not None:
+                mask = mask[:words]
+                bitmask[row, :mask.size] = mask
+                bitmask[row, mask.size:] = 0  # tokens past the grammar's vocabulary: never
             p = r.sampling
             penalties[row] = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             if histories[row]:
@@ -134,7 +148,16 @@ class LogitsAdjustment(NamedTuple):
             if allowed[row] is not None:
                 allowed_ids[row, :len(allowed[row])] = allowed[row]
                 restricted[row] = True
-        return cls(penalties, history, from_output, bias_ids, bias, allowed_ids, restricted)
+        return cls(penalties, history, from_output, bias_ids, bias, allowed_ids, restricted, bitmask)
+
+
+def _bitmask(request, bitmasks: Mapping[str, np.ndarray] | None) -> np.ndarray | None:
+    """The request's token bitmask this step: vLLM's (``bitmasks``), else the one its batch entry carries."""
+    if bitmasks and (mask := bitmasks.get(request.request_id)) is not None:
+        return np.asarray(mask, np.int32)
+    if request.token_bitmask is not None:
+        return np.frombuffer(request.token_bitmask, np.int32)
+    return None
 
 
 def _banned(request) -> list[int]:
@@ -152,6 +175,9 @@ def _adjust(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     """``logits`` [R, V] shaped as ``adj`` says (vLLM v1's order; the penalties as its ``apply_penalties``)."""
     rows, vocab = logits.shape
     row = jnp.arange(rows)[:, None]
+    if adj.bitmask.shape[1]:
+        bits = (adj.bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+        logits = jnp.where(bits.reshape(rows, -1)[:, :vocab] == 1, logits, -jnp.inf)
     if adj.allowed_ids.shape[1]:
         allowed = jnp.zeros((rows, vocab), bool).at[row, adj.allowed_ids].set(True, mode="drop")
         logits = jnp.where(adj.restricted[:, None] & ~allowed, -jnp.inf, logits)

@@ -137,6 +137,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads ``tools`` (a template that does not would drop them silently)."""
+        import jinja2.meta
+
+        if self.chat_template is None:
+            return False
+        env = _compile_chat_template(self.chat_template).environment
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(self.chat_template))
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:

@@ -28,7 +28,7 @@ class UnsupportedFeatureError(ValueError):
 def unsupported_sampling(params) -> list[str]:
     """What of vLLM's ``SamplingParams`` pipejax cannot honour, each named with its value (empty: all fine)."""
     found = []
-    for name in ("structured_outputs", "prompt_logprobs", "logits_processors"):
+    for name in ("prompt_logprobs", "logits_processors"):  # structured outputs: vLLM sends their bitmasks
         value = getattr(params, name, None)
         if value:
             found.append(f"{name}={value!r}")

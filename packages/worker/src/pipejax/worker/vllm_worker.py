@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from pipejax.runner.batch import SamplerOutput
+from pipejax.runner.batch import ModelBatch, SamplerOutput
 from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
 from pipejax.runner.model import kv_heads_for_tp
 from pipejax.worker.vllm_requests import RequestStates, UnsupportedFeatureError
@@ -76,7 +76,7 @@ class VllmStageRunner:
         self.stage = stage_worker.stage
         self.states = RequestStates()
         self.step_id = 0
-        self.pending: ModelRunnerOutput | None = None
+        self.pending: ModelBatch | None = None  # the last stage's step whose tokens sample_tokens returns
 
     def execute_model(self, so, intermediate_tensors: IntermediateTensors | None = None):
         assert self.pending is None, "sample_tokens must follow an execute_model that returned None"
@@ -93,18 +93,25 @@ class VllmStageRunner:
                 raise RuntimeError(
                     f"stage {self.stage.pp_rank}: the previous stage sent step {got}, expected {step_id}")
         batch = self.states.batch(so, step_id)
-        out = self.stage_worker.execute_model(batch)
+        # the last stage samples in sample_tokens: vLLM's scheduler computes the grammars' bitmasks meanwhile
+        self.stage_worker.execute_model(batch, defer_sampling=self.stage.is_last)
         if not self.stage.is_last:
             return IntermediateTensors({STEP_HANDLE: np.array([step_id], np.int64)})
-        self.states.record(out)
-        self.pending = _model_runner_output(batch, out)
+        self.pending = batch
         return None  # vLLM asks for it with sample_tokens
 
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        """The pending step's tokens, each structured output's request limited to its grammar's bitmask."""
+        batch, self.pending = self.pending, None
+        if batch is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        bitmasks = None
         if grammar_output is not None:
-            raise UnsupportedFeatureError("pipejax does not support structured outputs (guided decoding)")
-        out, self.pending = self.pending, None
-        return out if out is not None else EMPTY_MODEL_RUNNER_OUTPUT
+            bitmasks = dict(zip(grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask,
+                                strict=True))
+        out = self.stage_worker.sample_deferred(bitmasks)
+        self.states.record(out)
+        return _model_runner_output(batch, out)
 
 
 def _model_runner_output(batch, out: SamplerOutput) -> ModelRunnerOutput:

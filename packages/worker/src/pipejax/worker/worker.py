@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 import jax
+import numpy as np
 import psutil
 from tqdm import tqdm
 
@@ -124,6 +125,7 @@ class StageWorker:
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
         self.trace: deque[tuple[int, int, float, float]] = deque(maxlen=config.step_trace_len)
         self.bytes_sent = 0  # activation bytes sent to the next stage
+        self.deferred: tuple | None = None  # (batch, logits, rows) of a step whose sampling waits (vLLM)
         # wall-clock (start, end) of each set-up phase that ran: "init", "kernels", "load", "warmup"
         self.setup_times: dict[str, tuple[float, float]] = {"init": (created, time.time())}
 
@@ -200,7 +202,10 @@ class StageWorker:
 
     # --- the step -------------------------------------------------------------------------------
 
-    def execute_model(self, batch: ModelBatch) -> SamplerOutput | None:
+    def execute_model(self, batch: ModelBatch, defer_sampling: bool = False) -> SamplerOutput | None:
+        """One step of ``batch`` on this stage: the last stage's sampled tokens (None elsewhere). ``defer_sampling``
+        (last stage): keep the step's logits for ``sample_deferred``, as vLLM's runner does while its scheduler
+        computes the structured outputs' token bitmasks."""
         runner = self._require_runner()
         start = time.perf_counter()
         hidden, shape = None, runner.step_shape(batch)
@@ -208,7 +213,12 @@ class StageWorker:
             assert self.recv is not None, "a non-first stage needs a receive transport"
             hidden = self.recv.receive(batch.step_id, runner.intermediate_spec(batch, shape),
                                        self.config.receive_timeout_s)
-        out = runner.execute(batch, hidden, shape)
+        if defer_sampling and self.stage.is_last:
+            logits, shape = runner.forward_batch(batch, hidden, shape)
+            self.deferred = (batch, logits, shape.rows)
+            out = None
+        else:
+            out = runner.execute(batch, hidden, shape)
         if not self.stage.is_last:
             assert self.send is not None, "a non-last stage needs a send transport"
             self.send.send(batch.step_id, out)
@@ -217,6 +227,13 @@ class StageWorker:
         if self.config.step_trace_len and batch.step_id < WARMUP_STEP_BASE:
             self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
+
+    def sample_deferred(self, bitmasks: Mapping[str, np.ndarray] | None = None) -> SamplerOutput:
+        """The tokens of the step ``execute_model(..., defer_sampling=True)`` kept, each structured output's
+        request limited to its ``bitmasks`` entry."""
+        assert self.deferred is not None, "sample_deferred needs a step run with defer_sampling=True"
+        (batch, logits, rows), self.deferred = self.deferred, None
+        return self._require_runner().sample(batch, logits, rows, bitmasks)
 
     def close(self) -> None:
         """Close this stage's transports (idempotent): an executor's shutdown."""

@@ -20,6 +20,7 @@ from pipejax.ray_executor.config import EngineConfig
 from pipejax.ray_executor.engine.block_manager import BlockManager
 from pipejax.ray_executor.engine.request import Request, RequestDelta, RequestOutput
 from pipejax.ray_executor.engine.scheduler import Scheduler
+from pipejax.ray_executor.engine.structured import Grammars
 from pipejax.ray_executor.executor.base import Executor, NoStageLost, StagesLost
 from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
@@ -91,6 +92,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: EngineDeadError | None = None
         self.recovery = RecoveryStats()
         self.recovering = False  # a lost stage is being replaced (read by serving's stats thread)
@@ -126,6 +128,13 @@ class LLMEngine:
                 f"shorten the prompt to at most {self.max_model_len - 1} tokens"
             )
         sampling = self._resolve_sampling(request_id, sampling)
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = self.grammars.matcher(request_id, sampling.structured_outputs)
+            if resume_token_ids and not grammar.consume_tokens([int(t) for t in resume_token_ids]):
+                raise ValueError(f"request {request_id!r}: its resume_token_ids do not follow its structured_outputs")
+            # the stages need only each step's bitmask, not the grammar's text
+            sampling = dataclasses.replace(sampling, structured_outputs=None)
         room = self.max_model_len - len(token_ids)
         max_tokens = min(sampling.max_tokens or room, room)
         if len(resume_token_ids) >= max_tokens:
@@ -134,6 +143,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, sampling, max_tokens, self.eos_token_ids, self.tokenizer, text)
         if resume_token_ids:
             req.resume([int(t) for t in resume_token_ids])
+        req.grammar = grammar
         self.scheduler.add(req)
 
     def _resolve_sampling(self, request_id: str, sampling: SamplingParams) -> SamplingParams:
@@ -194,6 +204,7 @@ class LLMEngine:
             # Split the active requests into `depth` batches so that every stage has one to work on.
             batch = self.scheduler.schedule(max_seqs=max(1, math.ceil(self.scheduler.num_active() / depth)))
             if batch is not None:
+                batch = self._with_bitmasks(batch)
                 self._in_flight.append((batch, self.executor.execute_model(batch)))
                 if self.config.step_trace_len:
                     self.in_flight_trace.append((time.perf_counter(), len(self._in_flight)))
@@ -203,6 +214,19 @@ class LLMEngine:
         if full or batch is None or self._in_flight[0][1].done():
             return self._finish_oldest()
         return []
+
+    def _with_bitmasks(self, batch: ModelBatch) -> ModelBatch:
+        """``batch`` with the token bitmask of each sampling row whose request follows a grammar (computed while
+        the batches in flight run)."""
+        requests = self.scheduler.requests
+        rows = [i for i, e in enumerate(batch.requests) if e.sample and requests[e.request_id].grammar is not None]
+        if not rows:
+            return batch
+        masks = self.grammars.bitmasks([requests[batch.requests[i].request_id].grammar for i in rows])
+        entries = list(batch.requests)
+        for i, mask in zip(rows, masks, strict=True):
+            entries[i] = dataclasses.replace(entries[i], token_bitmask=mask.tobytes())
+        return dataclasses.replace(batch, requests=tuple(entries))
 
     def _finish_oldest(self) -> list[Request]:
         batch, future = self._in_flight.popleft()

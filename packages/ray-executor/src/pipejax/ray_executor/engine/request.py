@@ -84,6 +84,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        self.grammar = None  # an llguidance matcher where the output follows a grammar (structured outputs)
         self._delta_tokens = 0  # output tokens (and logprobs) that earlier deltas carried
         self._delta_chars = 0  # characters of text that earlier deltas carried
         self._detok = (
@@ -124,6 +125,8 @@ class Request:
             self.logprobs.append(logprobs)
         if self._detok is not None:
             self.text += self._detok.add([token])
+        if self.grammar is not None and self._grammar_ends(token):
+            return
         if len(self.output_token_ids) < self.sampling.min_tokens:  # no stop before min_tokens (as vLLM)
             return
         if token in self.eos_token_ids:
@@ -134,6 +137,19 @@ class Request:
             pass
         elif len(self.output_token_ids) >= self.max_tokens:
             self._finish("length")
+
+    def _grammar_ends(self, token: int) -> bool:
+        """Advance the grammar by ``token``; True where the request ends here: the grammar is complete (it allows
+        nothing but the end of sequence), or refused the token (an error: the bitmask should have prevented it)."""
+        if not self.grammar.consume_token(token):
+            self.finish_reason, self.stop_reason = "error", f"the grammar refused token {token}: " + (
+                self.grammar.get_error().strip())
+            self.status = RequestStatus.FINISHED
+            return True
+        if self.grammar.is_stopped():
+            self._finish("stop", token if token in self.eos_token_ids else None)
+            return True
+        return False
 
     def _stop_string_hit(self) -> bool:
         """Stop at the first stop string; the text is cut before it (as the established servers do)."""

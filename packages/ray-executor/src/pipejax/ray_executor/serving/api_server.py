@@ -35,6 +35,7 @@ from pipejax.ray_executor.serving.openai_protocol import (
     CompletionRequest,
     error_body,
 )
+from pipejax.ray_executor.serving.tools import ToolChoice
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,14 @@ def build_app(config: FrontendConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         arrival = time.monotonic()
         frontend.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = frontend.chat_prompt_ids(messages)
+        tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools.active and body.stream:
+            raise APIError(400, "streaming a chat completion that may call tools is not supported by pipejax yet; "
+                                "set stream=false or tool_choice='none'", param="stream")
+        prompt = frontend.chat_prompt_ids([m.for_template() for m in body.messages], tools.template_tools(body.tools))
         max_tokens = body.requested_max_tokens()
         frontend.check_prompts([prompt], max_tokens)
-        params = body.sampling_params(max_tokens, body.requested_logprobs())
+        params = body.sampling_params(max_tokens, body.requested_logprobs(), tools.constraint())
         engine = frontend.choose_engine(_rank(raw, body.data_parallel_rank), body.n)
         choices = frontend.run_choices(engine, [prompt], params, body.n, arrival)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": config.served_model_name}
@@ -110,9 +114,12 @@ def build_app(config: FrontendConfig) -> FastAPI:
         if body.stream:
             return SSEResponse(_chat_events(frontend, choices, head, body, usage))
         done = await _unless_disconnected(raw, frontend.collect(choices, body.n))
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "logprobs": _chat_logprobs(frontend, c, 0) if body.logprobs else None} for c in done]
+        out = []
+        for c in done:
+            message, finish_reason = tools.message(c.text, c.finish_reason)
+            logprobs = _chat_logprobs(frontend, c, 0) if body.logprobs else None
+            out.append({"index": c.index, "message": message, "finish_reason": finish_reason,
+                        "stop_reason": c.stop_reason, "logprobs": logprobs})
         return {**head, "object": "chat.completion", "choices": out, "usage": usage.of(done)}
 
     return app

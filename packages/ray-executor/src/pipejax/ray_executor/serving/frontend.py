@@ -100,11 +100,16 @@ class Frontend:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``messages`` (and ``tools``, for templates that render them) through the model's chat template."""
         if self.tokenizer is None:
             raise APIError(400, f"{self.config.model_path} has no tokenizer: chat needs one", param="messages")
+        if tools and not self.tokenizer.renders_tools:
+            raise APIError(400, f"the chat template of {self.config.served_model_name} does not render tools, so "
+                                f"the model would not see them; use a model whose template does, or "
+                                f"tool_choice='none'", param="tools")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         except Exception as exc:  # the template's raise_exception, or a jinja error on odd messages
             raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

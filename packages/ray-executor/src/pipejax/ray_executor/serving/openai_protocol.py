@@ -2,8 +2,8 @@
 
 Unknown fields are accepted and ignored, as the established servers do; fields pipejax cannot honour
 (``echo``, ``suffix``, ``best_of`` > ``n``) are refused with a 400 rather than ignored. Besides OpenAI's
-penalties and ``logit_bias``, vLLM's extensions ``repetition_penalty``, ``min_tokens``, ``allowed_token_ids`` and
-``bad_words`` are taken, with vLLM's meaning.
+penalties, ``logit_bias`` and ``response_format``, vLLM's extensions ``repetition_penalty``, ``min_tokens``,
+``allowed_token_ids``, ``bad_words`` and ``structured_outputs`` are taken, with vLLM's meaning.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipejax.runner.batch import SamplingParams
+from pipejax.runner.batch import SamplingParams, StructuredOutputs
+
+# vLLM's ``structured_outputs`` fields pipejax honours (its whitespace_pattern, structural_tag and
+# disable_additional_properties are refused by name)
+STRUCTURED_FIELDS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
 
 
 class APIError(Exception):
@@ -63,9 +67,13 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None  # OpenAI's keys: token ids as strings
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, json_object, regex, choice, grammar
     data_parallel_rank: int | None = None  # pipejax/vLLM extension: pin the request to one DP engine
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        forced: StructuredOutputs | None = None) -> SamplingParams:
+        """The engine's parameters; ``forced``: the grammar a forced tool call holds the answer to."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
@@ -79,10 +87,46 @@ class _Sampling(_Request):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 min_tokens=self.min_tokens, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
-                bad_words=tuple(self.bad_words or ()),
+                bad_words=tuple(self.bad_words or ()), structured_outputs=self.structured(forced),
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+
+    def structured(self, forced: StructuredOutputs | None = None) -> StructuredOutputs | None:
+        """The grammar ``structured_outputs`` (vLLM's) or ``response_format`` (OpenAI's) asks for, if any."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if forced is not None:
+            if self.structured_outputs is not None or kind != "text":
+                raise APIError(400, "a forced tool call (tool_choice 'required' or a named function) already sets "
+                                    "the answer's format: leave out response_format and structured_outputs",
+                               "tool_choice")
+            return forced
+        if self.structured_outputs is not None:
+            if kind != "text":
+                raise APIError(400, "give structured_outputs or response_format, not both", "response_format")
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_FIELDS))
+            if unknown:
+                raise APIError(400, f"structured_outputs fields {unknown} are not supported by pipejax; use "
+                                    f"{', '.join(STRUCTURED_FIELDS)}", "structured_outputs")
+            try:
+                return StructuredOutputs(**{k: v for k, v in self.structured_outputs.items() if v is not None})
+            except ValueError as exc:
+                raise APIError(400, str(exc), "structured_outputs") from None
+        if kind == "text":
+            return None
+        # OpenAI's formats name no whitespace option: JSON comes compact (a small model at temperature 1 can
+        # otherwise spend its whole budget on free whitespace)
+        if kind == "json_object":
+            return StructuredOutputs(json_object=True, disable_any_whitespace=True)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise APIError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                               "response_format")
+            return StructuredOutputs(json=schema, disable_any_whitespace=True)
+        raise APIError(400, f"response_format.type={kind!r} is not one of 'text', 'json_object', 'json_schema'",
+                       "response_format")
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +159,11 @@ class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: its text, and fields such as ``tool_calls``, ``tool_call_id``."""
+        extra = {k: v for k, v in (self.model_extra or {}).items() if v is not None}
+        return {**extra, "role": self.role, "content": self.text()}
+
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
@@ -132,6 +181,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
