@@ -159,6 +159,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, client):
         '{"prompt": "x", "logit_bias": {"99999": 5}}': "[99999] outside the vocabulary",
         '{"prompt": "x", "logit_bias": {"1": 500}}': "each bias must be in [-100, 100]",
         '{"prompt": "x", "min_tokens": 5, "max_tokens": 2}': "min_tokens=5 must not exceed max_tokens=2",
+        '{"prompt": "x", "prompt_logprobs": 1}': "prompt_logprobs=1 is not supported",
         '{"max_tokens": 3}': "prompt",
     }
     for body, expected in cases.items():

@@ -1,9 +1,9 @@
 """The OpenAI-compatible request bodies (pydantic, validated by FastAPI) and the error body.
 
 Unknown fields are accepted and ignored, as the established servers do; fields pipejax cannot honour
-(``echo``, ``suffix``, ``best_of`` > ``n``) are refused with a 400 rather than ignored. Besides OpenAI's
-penalties, ``logit_bias`` and ``response_format``, vLLM's extensions ``repetition_penalty``, ``min_tokens``,
-``allowed_token_ids``, ``bad_words`` and ``structured_outputs`` are taken, with vLLM's meaning.
+(``echo``, ``suffix``, ``best_of`` > ``n``, ``prompt_logprobs``) are refused with a 400 rather than ignored.
+Besides OpenAI's penalties, ``logit_bias`` and ``response_format``, vLLM's extensions ``repetition_penalty``,
+``min_tokens``, ``allowed_token_ids``, ``bad_words`` and ``structured_outputs`` are taken, with vLLM's meaning.
 """
 
 from __future__ import annotations
@@ -69,11 +69,15 @@ class _Sampling(_Request):
     bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, json_object, regex, choice, grammar
+    prompt_logprobs: int | None = None  # vLLM's; refused by name rather than ignored
     data_parallel_rank: int | None = None  # pipejax/vLLM extension: pin the request to one DP engine
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         forced: StructuredOutputs | None = None) -> SamplingParams:
         """The engine's parameters; ``forced``: the grammar a forced tool call holds the answer to."""
+        if self.prompt_logprobs is not None:
+            raise APIError(400, f"prompt_logprobs={self.prompt_logprobs} is not supported by pipejax yet; leave it "
+                                f"out", "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
