@@ -56,7 +56,11 @@ def _generate_killing(llm: LLM, rank: int, sig: int | None = signal.SIGKILL) -> 
     return outputs, victim
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["plain", "compiled-graph"])
+# compiled graph: in `nox -s ray_executor_extra`. Ray 2.60's raylet can hang there (CI, 2026-12-05: the killed stage's
+# node's raylet blocked for 2 min in HandlePushMutableObject -> PlasmaObjectHeader::WriteAcquire, waiting for the dead
+# reader of a compiled-graph channel, so no replacement could start in its bundle; it then died on a failed check).
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.extra)],
+                         ids=["plain", "compiled-graph"])
 def test_a_killed_frozen_or_hung_stage_is_replaced_on_its_host_and_generate_loses_nothing(compiled):
     cluster = start_cluster([2, 2])
     try:
