@@ -241,3 +241,25 @@ def test_a_requests_token_slice_spans_its_prompt_and_output_without_joining_them
     req.output_token_ids = [5, 6, 7]
     joined = [1, 2, 3, 4, 5, 6, 7]
     assert all(req.token_ids(a, b) == tuple(joined[a:b]) for a in range(8) for b in range(a, 8))
+
+
+def test_a_constrained_request_resumes_where_it_was_lost_and_refuses_resume_tokens_off_its_grammar(llm_pp2):
+    """A request moved from a lost engine (``resume_token_ids``) goes on in its grammar from the tokens it had:
+    its output equals the uninterrupted one; resume tokens the grammar refuses are a ValueError naming them."""
+    import re
+
+    from pipejax.ray_executor import StructuredOutputs
+
+    engine = llm_pp2.engine
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputs(regex="[a-d]{8}"))
+    whole = llm_pp2.generate(["spell a word"], params)[0].outputs[0]
+    assert re.fullmatch("[a-d]{8}", whole.text) and whole.finish_reason == "stop", whole
+    engine.add_request("resumed", "spell a word", params, resume_token_ids=whole.token_ids[:3])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step_finished()
+    (resumed,) = finished
+    assert resumed.outputs[0].token_ids == whole.token_ids and resumed.outputs[0].text == whole.text
+    with pytest.raises(ValueError, match="resume_token_ids do not follow its structured_outputs"):
+        engine.add_request("off-grammar", "spell a word", params, resume_token_ids=[ord("z")])
+    assert not engine.has_unfinished_requests()
