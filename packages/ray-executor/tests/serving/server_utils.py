@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -78,3 +79,17 @@ class Server:
                 self.proc.wait(10)
         self._file.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(args: list[str], log: Path, timeout: float = 300.0, env: dict[str, str] | None = None):
+    """`pipejax serve ARGS` for a ``with`` block (a module fixture's body): healthy on entry; stopped on exit, its
+    log's tail printed and its exit code checked."""
+    server = Server(args, log, env=env)
+    try:
+        server.wait_healthy(timeout=timeout)
+        yield server
+    finally:
+        rc = server.stop()
+        print(server.tail())
+        assert rc == 0, f"server exit code {rc}"

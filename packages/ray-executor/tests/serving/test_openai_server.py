@@ -14,7 +14,7 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from server_utils import Server, start_cluster
+from server_utils import serving, start_cluster
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,14 +34,8 @@ def server(cluster, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = ["--model", "builtin", "-dp", "2", "-dpl", "1", "-pp", "2", "-tp", "1", "-dpb", "ray", "--api-key", API_KEY,
             "--num-kv-blocks", "256", "--max-num-seqs", "32", "--heartbeat-timeout", "30"]
-    server = Server(args, log, env={"RAY_ADDRESS": cluster.address})
-    try:
-        server.wait_healthy(timeout=300)
+    with serving(args, log, env={"RAY_ADDRESS": cluster.address}) as server:
         yield server
-    finally:
-        rc = server.stop()
-        print(server.tail())
-        assert rc == 0, f"server exit code {rc}"
 
 
 @pytest.fixture

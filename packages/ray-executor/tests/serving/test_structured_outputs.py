@@ -12,7 +12,7 @@ import re
 import jsonschema
 import openai
 import pytest
-from server_utils import Server
+from server_utils import serving
 
 from pipejax.runner.default_model import DEFAULT_MODEL_NAME as MODEL
 
@@ -39,14 +39,8 @@ CHOICE = ["red", "green", "blue"]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    server = Server(["-pp", "2", "--num-kv-blocks", "1024", "--max-num-seqs", "64"], log)
-    try:
-        server.wait_healthy(timeout=400)
+    with serving(["-pp", "2", "--num-kv-blocks", "1024", "--max-num-seqs", "64"], log, timeout=400) as server:
         yield server
-    finally:
-        rc = server.stop()
-        print(server.tail())
-        assert rc == 0, f"server exit code {rc}"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 from oracle import make_checkpoint, write_byte_tokenizer
-from server_utils import Server
+from server_utils import serving
 
 from pipejax.ray_executor.serving.tools import ToolChoice
 
@@ -50,15 +50,9 @@ def client(tmp_path_factory):
     make_checkpoint(path, "LlamaForCausalLM", seed=3, max_position_embeddings=2048)  # one token per byte
     write_byte_tokenizer(path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE, "eos_token": "</s>"}))
-    server = Server(["--model", str(path), "--served-model-name", "tiny", "--num-kv-blocks", "256"],
-                    path / "serve.log")
-    try:
-        server.wait_healthy(timeout=300)
+    args = ["--model", str(path), "--served-model-name", "tiny", "--num-kv-blocks", "256"]
+    with serving(args, path / "serve.log") as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        rc = server.stop()
-        print(server.tail())
-        assert rc == 0, f"server exit code {rc}"
 
 
 def test_a_named_function_gets_arguments_that_validate(client):

@@ -7,6 +7,7 @@ Behaviour follows transformers 5 (`TokenizersBackend`), which the tests use as t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -137,9 +138,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    @property
+    @functools.cached_property
     def renders_tools(self) -> bool:
-        """Whether the chat template reads ``tools`` (a template that does not would drop them silently)."""
+        """Whether the chat template reads ``tools`` (a template that does not would drop them silently); parsed
+        once, at the first request that sends tools."""
         import jinja2.meta
 
         if self.chat_template is None:
