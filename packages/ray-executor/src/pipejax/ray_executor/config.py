@@ -75,6 +75,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_compilation_cache_dir)
     # How a stage waits for a CPU kernel numba has not built on its host (runner.cpu.select.KERNEL_BUILDS).
     cpu_kernel_build: str = "background"
+    # Benchmarks of the schedule only: every stage's step takes at least this long, asleep for what its real work
+    # leaves (``WorkerConfig.simulated_step_s``), so a pipeline's bubbles show on a host with fewer cores than stages.
+    simulated_step_s: float = 0.0
 
     def worker_config(self, pp_rank: int) -> WorkerConfig:
         """What the stage worker of ``pp_rank`` gets (the same for every executor)."""
@@ -93,4 +96,5 @@ class EngineConfig:
             compilation_cache_dir=self.compilation_cache_dir,
             step_trace_len=self.step_trace_len,
             cpu_kernel_build=self.cpu_kernel_build,
+            simulated_step_s=self.simulated_step_s,
         )

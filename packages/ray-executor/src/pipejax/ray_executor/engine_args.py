@@ -76,7 +76,7 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
 
     if model is None:
         return str(default_model_path())
-    if model in ("builtin", "builtin:default", "builtin:bench"):
+    if model == "builtin" or model.startswith("builtin:"):  # an unknown name is refused, naming the built-in ones
         return str(ensure_builtin_model(model.partition(":")[2] or "default", cache_dir))
     path = Path(model)
     if (gguf := find_gguf(path)) is not None:

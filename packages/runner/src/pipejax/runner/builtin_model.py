@@ -78,6 +78,24 @@ BUILTIN_MODELS: dict[str, dict] = {
         "eos_token_id": EOS_TOKEN_ID,
         "torch_dtype": "float32",
     },
+    # Sixteen thin layers: pipelines up to pp=16 whose stages cost next to nothing (schedule benchmarks, where
+    # each stage's step time is simulated).
+    "deep": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+    },
     # GPT-2-small sized (~124.7M parameters) for benchmarks; head_dim 64.
     "bench": {
         "architectures": ["LlamaForCausalLM"],

@@ -80,6 +80,9 @@ class WorkerConfig:
     # how a CPU kernel numba has not built yet is waited for (runner.cpu.select.KERNEL_BUILDS; the engines
     # and the vLLM platform pass "background")
     cpu_kernel_build: str = "wait"
+    # Benchmarks of the schedule: each step of this stage takes at least this long, the part its real work leaves
+    # spent asleep (no core used), as a step on a device of its own is waited for. 0: off (serving).
+    simulated_step_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,18 +210,20 @@ class StageWorker:
         (last stage): keep the step's logits for ``sample_deferred``, as vLLM's runner does while its scheduler
         computes the structured outputs' token bitmasks."""
         runner = self._require_runner()
-        start = time.perf_counter()
         hidden, shape = None, runner.step_shape(batch)
         if not self.stage.is_first:
             assert self.recv is not None, "a non-first stage needs a receive transport"
             hidden = self.recv.receive(batch.step_id, runner.intermediate_spec(batch, shape),
                                        self.config.receive_timeout_s)
+        start = time.perf_counter()  # the stage's own step: from its inputs in hand to its output sent
         if defer_sampling and self.stage.is_last:
             logits, shape = runner.forward_batch(batch, hidden, shape)
             self.deferred = (batch, logits, shape.rows)
             out = None
         else:
             out = runner.execute(batch, hidden, shape)
+        if self.config.simulated_step_s:
+            _hold_until(start + self.config.simulated_step_s, out)
         if not self.stage.is_last:
             assert self.send is not None, "a non-last stage needs a send transport"
             self.send.send(batch.step_id, out)
@@ -244,7 +249,8 @@ class StageWorker:
     # --- introspection (what an executor's collective_rpc reads) ----------------------------------
 
     def step_trace(self) -> list[tuple[int, int, float, float]]:
-        """(pp_rank, step_id, start, end) of the traced steps (warm-up steps are not traced)."""
+        """(pp_rank, step_id, start, end) of the traced steps (warm-up steps are not traced): from the stage's inputs
+        in hand (after a non-first stage's receive) to its output sent, on this process's ``time.perf_counter``."""
         return list(self.trace)
 
     def activation_bytes_sent(self) -> int:
@@ -286,3 +292,12 @@ class StageWorker:
         if self.runner is None:
             raise RuntimeError(f"stage {self.stage.pp_rank}: call load(num_blocks) before executing")
         return self.runner
+
+
+def _hold_until(deadline: float, out) -> None:
+    """A simulated step (``WorkerConfig.simulated_step_s``): the real work done, sleep out the rest of its time."""
+    if out is not None:
+        jax.block_until_ready(out)
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
