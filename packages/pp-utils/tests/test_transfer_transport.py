@@ -358,6 +358,37 @@ class TestWithinOneProcess:
         with pytest.raises(ValueError, match="step_id"):
             self._send(sender, -1, meshes[0])
 
+    def test_a_prefetched_step_is_received_once_from_the_pulls_already_out(self, pair):
+        """``prefetch`` (another thread, while the stage runs an earlier step) issues the pulls before the sender
+        publishes; the step's ``receive`` then uses them. Prefetching a step again, or one already received,
+        issues nothing."""
+        sender, receiver, meshes = pair
+        spec = self._spec(meshes[1])
+        self._send(sender, 70, meshes[0])
+        self._receive_ok(receiver, 70, spec)  # the layout is known: a prefetch pulls the data too
+        pulls = []
+        real_pull = receiver._conn.pull
+        receiver._conn = _CountingConnection(real_pull, pulls)
+        for step in (71, 72):
+            receiver.prefetch(step, spec)
+            receiver.prefetch(step, spec)
+        assert receiver.pending() == 2 and len(pulls) == 4  # per step: descriptor + data, once
+        self._send(sender, 71, meshes[0])
+        self._send(sender, 72, meshes[0])
+        got = receiver.receive(71, spec, timeout=10)["hidden_states"]
+        np.testing.assert_array_equal(np.asarray(got), _expected(71)["hidden_states"])
+        self._receive_ok(receiver, 72, spec)
+        receiver.prefetch(71, spec)
+        assert len(pulls) == 4 and receiver.pending() == 0
+        receiver._conn = _CountingConnection.unwrap(receiver._conn)
+
+    def test_prefetch_before_a_connection_does_nothing(self):
+        spec = IntermediateSpec({"x": TensorSpec((2,), "float32")})
+        transport = TransferServerTransport()
+        transport.prefetch(0, spec)
+        assert transport.pending() == 0
+        transport.close()
+
     def test_receive_needs_a_connection(self):
         spec = IntermediateSpec({"x": TensorSpec((2,), "float32")})
         with pytest.raises(RuntimeError, match="connect_previous"):
@@ -396,3 +427,18 @@ def test_abort_ends_a_waiting_receive_until_the_previous_stage_is_replaced(pair)
     got = receiver.receive(4242, spec, timeout=10)["hidden_states"]
     np.testing.assert_array_equal(np.asarray(got), _expected(4242)["hidden_states"])
     replacement.close()
+
+
+class _CountingConnection:
+    """A transfer connection whose pulls are counted (``pulls``: their uuids)."""
+
+    def __init__(self, pull, pulls: list):
+        self._pull, self.pulls = pull, pulls
+
+    def pull(self, uuid, structs):
+        self.pulls.append(uuid)
+        return self._pull(uuid, structs)
+
+    @staticmethod
+    def unwrap(conn):
+        return conn._pull.__self__

@@ -168,7 +168,8 @@ def driver(args) -> None:
             engine.executor.warmup(progress=False)
             run_workload(engine, pp, args, f"{mode}-warm")  # the run's shapes (and the compiled graph) once
             for r in range(args.repeats):
-                for depth in (1, pp) if r % 2 == 0 else (pp, 1):
+                depths = (1, pp, pp + 1)  # pp + 1: one batch more than stages hides each batch's turnaround
+                for depth in depths if r % 2 == 0 else depths[::-1]:
                     out = run_workload(engine, depth, args, f"{mode}-{r}-{depth}")
                     results.append({"pp": pp, "mode": mode, **out})
                     print(json.dumps(results[-1]), file=sys.stderr, flush=True)
@@ -206,6 +207,7 @@ def summarize(results: list[dict], args) -> list[dict]:
                 continue
             one = [r for r in runs if r["depth"] == 1]
             full = [r for r in runs if r["depth"] == pp]
+            extra = [r for r in runs if r["depth"] == pp + 1]
             med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
             rows.append({
                 "pp": pp, "mode": mode,
@@ -213,6 +215,8 @@ def summarize(results: list[dict], args) -> list[dict]:
                 "vs_ideal": med(full, "tok_s") / (pp * med(one, "tok_s")),
                 "bubble_pp": med(full, "bubble"),
                 "vs_stage_bound": med(full, "tok_s") / (args.requests_per_stage / (args.stage_ms / 1e3)),
+                "tok_s_pp1": med(extra, "tok_s"),
+                "pp1_vs_stage_bound": med(extra, "tok_s") / (args.requests_per_stage / (args.stage_ms / 1e3)),
                 "driver_ms_per_step": med(full, "driver_ms_per_step"),
                 **{f"{k}_ms_1": statistics.median(r["gaps_ms"][k] for r in one) for k in one[0]["gaps_ms"]},
                 "overhead_ms_per_step_1": med(one, "step_ms") - pp * args.stage_ms,
@@ -235,6 +239,10 @@ def print_table(rows: list[dict], args) -> None:
               f"{r['vs_stage_bound']:.2f}x | {r['bubble_pp']:.1%} | {r['driver_ms_per_step']:.2f} | "
               f"{r['stage_ms']:.1f} | {r['stage_cpu_ms_per_step']:.2f} | {r['cores_driver_pp']:.2f}, "
               f"{r['cores_stages_pp']:.2f}, {r['cores_machine_pp']:.2f} |")
+    print("\npp + 1 batches in flight (each of the same size): tok/s, and against the stages' bound")
+    print("| pp | executor | tok/s | vs stages' bound |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['pp']} | {r['mode']} | {r['tok_s_pp1']:.1f} | {r['pp1_vs_stage_bound']:.2f}x |")
     print("\nOne batch in flight, a step's hand-offs (median ms): overhead = the step past pp x the stage time")
     print("| pp | executor | overhead | driver -> stage 0 | stage -> next stage | last stage -> driver "
           "| driver's turnaround |")

@@ -120,3 +120,18 @@ def test_info(checkpoint):
     w0, w1 = make_pipeline(checkpoint[0])
     assert w0.info() == StageInfo(0, (0, 2), ("cpu:0", "cpu:1"), socket.gethostname(), os.getpid())
     assert w1.info() == StageInfo(1, (2, 4), ("cpu:2", "cpu:3"), socket.gethostname(), os.getpid())
+
+
+def test_a_simulated_step_takes_its_set_time_and_computes_the_same(checkpoint, hf_expected):
+    """``simulated_step_s`` (the schedule benchmark's stages): each step lasts at least that long, from the stage's
+    inputs in hand to its output sent, and computes what a plain step does."""
+    simulated = 0.03
+    workers = [StageWorker(dataclasses.replace(w.config, simulated_step_s=simulated), w.devices, w.recv, w.send)
+               for w in make_pipeline(checkpoint[0])]
+    for w in workers:
+        w.load(CACHE.num_blocks)
+    outputs = greedy_decode(lambda b: run_pipeline(workers, b), PROMPTS, MAX_NEW_TOKENS)
+    assert outputs == hf_expected
+    spans = [end - start for w in workers for _, _, start, end in w.step_trace()]
+    assert len(spans) == 2 * MAX_NEW_TOKENS, spans
+    assert min(spans) >= simulated, min(spans)

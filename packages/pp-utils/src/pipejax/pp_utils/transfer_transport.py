@@ -256,19 +256,7 @@ class TransferServerTransport(ActivationTransport):
         with self._lock:
             if step_id in self._received:
                 raise ValueError(f"step {step_id} was already received from {self.peer}; each step is pulled once")
-            pending = self._pending.get(step_id)
-            if pending is None:
-                # With a plan from an earlier step of this spec, the data pull goes out now, next to
-                # the descriptor's, in that plan's layout; the descriptor then confirms it.
-                plan = self._plans.get(key)
-                data = self._conn.pull(2 * step_id + 1, list(plan.structs)) if plan is not None else None
-                struct = self._descriptor_structs.get(key)
-                if struct is None:
-                    home = SingleDeviceSharding(_home_device(spec))
-                    struct = jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=home)
-                    _cache(self._descriptor_structs, key, struct)
-                pending = _PendingPull(self._conn.pull(2 * step_id, [struct])[0], data, plan)
-                self._pending[step_id] = pending
+            pending = self._pending.get(step_id) or self._start_pull(step_id, key, spec)
 
         descriptor_wait = self._wait([pending.descriptor], step_id, timeout, deadline)
         raw = np.asarray(pending.descriptor).tobytes()
@@ -302,6 +290,25 @@ class TransferServerTransport(ActivationTransport):
                 array = jax.device_put(array, target)
             out[name] = array
         return IntermediateTensors(out)
+
+    def prefetch(self, step_id: int, spec: IntermediateSpec) -> None:
+        with self._lock:
+            if self._conn is None or self._aborted or step_id in self._received or step_id in self._pending:
+                return
+            self._start_pull(step_id, _spec_key(spec), spec)
+
+    def _start_pull(self, step_id: int, key: tuple, spec: IntermediateSpec) -> _PendingPull:
+        """Issue ``step_id``'s pulls (under ``_lock``). With a plan from an earlier step of this spec, the data pull
+        goes out now, next to the descriptor's, in that plan's layout; the descriptor then confirms it."""
+        plan = self._plans.get(key)
+        data = self._conn.pull(2 * step_id + 1, list(plan.structs)) if plan is not None else None
+        struct = self._descriptor_structs.get(key)
+        if struct is None:
+            home = SingleDeviceSharding(_home_device(spec))
+            struct = jax.ShapeDtypeStruct((DESCRIPTOR_BYTES,), np.uint8, sharding=home)
+            _cache(self._descriptor_structs, key, struct)
+        pending = self._pending[step_id] = _PendingPull(self._conn.pull(2 * step_id, [struct])[0], data, plan)
+        return pending
 
     def _wait(self, arrays: list[jax.Array], step_id: int, timeout: float, deadline: float) -> float:
         """Seconds until ``arrays`` landed."""

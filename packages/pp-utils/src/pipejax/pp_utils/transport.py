@@ -44,6 +44,11 @@ class ActivationTransport(abc.ABC):
     ) -> IntermediateTensors:
         """The previous stage's activations for ``step_id``, placed in ``spec``'s shardings."""
 
+    def prefetch(self, step_id: int, spec: IntermediateSpec) -> None:
+        """Start pulling ``step_id``'s activations now, from another thread, while this stage still runs an earlier
+        step: its ``receive`` then finds them under way or landed. Never raises; a transport that cannot does
+        nothing."""
+
     def abort_receives(self) -> None:
         """Make every receive, waiting now or later, fail with ``TransportAborted`` until ``connect_previous``
         connects again (callable from another thread): the executor is replacing a lost previous stage, whose

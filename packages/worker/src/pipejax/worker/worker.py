@@ -233,6 +233,18 @@ class StageWorker:
             self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
 
+    def prefetch(self, batch: ModelBatch) -> None:
+        """While an earlier step runs (another thread): start pulling ``batch``'s activations from the previous
+        stage, so its step does not wait a round trip for data published while this stage was busy. A batch the
+        step will refuse (beyond ``max_model_len``) is left to the step to report."""
+        if self.recv is None or self.runner is None:
+            return
+        try:
+            shape = self.runner.step_shape(batch)
+        except ValueError:
+            return
+        self.recv.prefetch(batch.step_id, self.runner.intermediate_spec(batch, shape))
+
     def sample_deferred(self, bitmasks: Mapping[str, np.ndarray] | None = None) -> SamplerOutput:
         """The tokens of the step ``execute_model(..., defer_sampling=True)`` kept, each structured output's
         request limited to its ``bitmasks`` entry."""

@@ -208,7 +208,8 @@ def launch_stages(platform, pg: PlacementGroup, pp: int, tp: int, units: StageUn
 
 def _stage_actor(pg: PlacementGroup, bundle: int, units: StageUnits):
     """A stage actor (JAX not loaded yet) in ``pg``'s bundle ``bundle``; Ray starts it once the bundle is placed."""
-    actor_class = ray.remote(concurrency_groups={"health": 1})(StageActor)  # ping answers while a step runs
+    # ping answers while a step runs; a later step's activations are pulled while the current one runs
+    actor_class = ray.remote(concurrency_groups={"health": 1, "prefetch": 1})(StageActor)
     return actor_class.options(
         num_cpus=0,
         resources={units.resource: units.per_stage},

@@ -107,6 +107,12 @@ class StageActor:
         the first stage that has not finished it (``RayExecutor.hung_stages``)."""
         return self.finished_step
 
+    @ray.method(concurrency_group="prefetch")
+    def prefetch(self, batch) -> None:
+        """While earlier steps run: start pulling ``batch``'s activations (``StageWorker.prefetch``)."""
+        if self.worker is not None:
+            self.worker.prefetch(batch)
+
     @ray.method(concurrency_group="health")
     def abort_receives(self) -> None:
         """While a step runs: its wait for the previous stage's activations (and every later one) fails at once,
