@@ -8,13 +8,15 @@ stage in its own network namespace with its own IP (``tests/multihost/netns_clus
 activations on the JAX transfer server from stage to stage.
 
 Per pp, one cluster of pp hosts; on it the plain Ray executor, then the compiled graph, each a fresh engine in
-the driver's process (on host 0). Each engine runs the same workload with 1 batch in flight and with pp,
-alternating. Reported per run:
+the driver's process (on host 0). Each engine runs the same workload with 1, pp and pp + 1 batches in flight
+(each batch of ``--requests-per-stage`` requests), alternating. Reported per run:
 
 - output tok/s, and against the ideal: pp x the same engine's one-batch-in-flight rate (the goal: >= 0.9x);
 - the bubble: 1 - (each stage's busy time, from its inputs in hand to its output sent) / (pp x wall);
 - the driver's time per step: the engine's wall time outside its waits on the stages, per batch submitted;
-- per step at 1 in flight, the overhead: the step's time past pp x the stage time (control, transfer, turnaround).
+- per step at 1 in flight, the overhead: the step's time past pp x the stage time, and its hand-offs (driver ->
+  stage 0, stage -> stage, last stage -> driver, the driver's turnaround);
+- the cores busy: the driver's process, the stages' processes, the whole machine.
 
     python packages/ray-executor/benchmarks/pipeline_schedule.py                  # pp 2 4 8, 20 ms stages
     python packages/ray-executor/benchmarks/pipeline_schedule.py --pp 2 --repeats 1 --json /tmp/schedule.json
@@ -222,7 +224,8 @@ def summarize(results: list[dict], args) -> list[dict]:
                 "overhead_ms_per_step_1": med(one, "step_ms") - pp * args.stage_ms,
                 "stage_ms": med(full, "stage_ms_median"),
                 "cores_machine_pp": med(full, "cores_machine"), "cores_stages_pp": med(full, "cores_stages"),
-                "cores_driver_pp": med(full, "cores_driver"), "stage_cpu_ms_per_step": med(full, "stage_cpu_ms_per_step"),
+                "cores_driver_pp": med(full, "cores_driver"),
+                "stage_cpu_ms_per_step": med(full, "stage_cpu_ms_per_step"),
             })
     return rows
 
