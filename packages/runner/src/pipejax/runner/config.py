@@ -119,8 +119,11 @@ class ModelConfig:
         row, so both its memory traffic and its arithmetic grow with the parameters a part holds: a part's
         modelled time is its parameter count, and its memory those parameters' bytes. The first stage's embedding
         is a lookup (memory, no time); the last stage's final norm and LM head (the tied embedding, where tied)
-        are a full matmul. Attention's KV reads grow with the context and are left out: at the contexts this
-        machine serves they are small beside the weights. A model, not a measurement."""
+        are a full matmul. Left out: attention's KV reads (they grow with the rows and their contexts, which a
+        start does not know) and each layer's work beside its matmuls. Both weigh on the layers: on a 2-core EPYC
+        SmolLM2-135M's even split at pp=2 kept its stages 0.69 and 0.89 busy (64 requests, 128 in, 64 out), so
+        its LM head and sampler cost ~4 layers there where this model says ~8 (BENCHMARKS.md, "Stage split by
+        cost"). A model, not a measurement."""
         h, heads, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * heads + 2 * h * kv + heads * h + (heads + 2 * kv if self.qkv_bias else 0)
         layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)

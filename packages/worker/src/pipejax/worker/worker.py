@@ -224,6 +224,8 @@ class StageWorker:
             out = runner.execute(batch, hidden, shape)
         if self.config.simulated_step_s:
             _hold_until(start + self.config.simulated_step_s, out)
+        elif self.config.step_trace_len and not self.stage.is_last:
+            jax.block_until_ready(out)  # traced: the step ends when its output exists, not once it is dispatched
         if not self.stage.is_last:
             assert self.send is not None, "a non-last stage needs a send transport"
             self.send.send(batch.step_id, out)
