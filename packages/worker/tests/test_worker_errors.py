@@ -53,6 +53,7 @@ def test_silent_previous_stage_times_out_naming_the_step(checkpoint):
         w.execute_model(BATCH)
     assert time.monotonic() - start < 5
     assert w.step_trace() == []  # a failed step is not recorded
+    assert w.finished_step == -1  # nor counted as finished (the executor's hung-stage check reads it)
 
 
 @pytest.mark.parametrize(("trace_len", "traced"), [(0, []), (2, [8, 9])])
@@ -65,3 +66,6 @@ def test_step_trace_is_opt_in_and_keeps_only_the_last_steps(checkpoint, trace_le
     for step in (7, 8, 9):
         w.execute_model(ModelBatch(step, BATCH.requests))
     assert [step for _, step, _, _ in w.step_trace()] == traced
+    assert w.finished_step == 9  # kept whether or not steps are traced
+    w.warmup(w.warmup_batches()[:1], progress=False)
+    assert w.finished_step == 9  # warm-up steps are not the engine's

@@ -128,6 +128,7 @@ class StageWorker:
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
         self.trace: deque[tuple[int, int, float, float]] = deque(maxlen=config.step_trace_len)
         self.bytes_sent = 0  # activation bytes sent to the next stage
+        self.finished_step = -1  # the newest engine step (not a warm-up) this stage finished
         self.deferred: tuple | None = None  # (batch, logits, rows) of a step whose sampling waits (vLLM)
         # wall-clock (start, end) of each set-up phase that ran: "init", "kernels", "load", "warmup"
         self.setup_times: dict[str, tuple[float, float]] = {"init": (created, time.time())}
@@ -231,8 +232,10 @@ class StageWorker:
             self.send.send(batch.step_id, out)
             self.bytes_sent += sum(int(v.nbytes) for v in out.values())
             out = None
-        if self.config.step_trace_len and batch.step_id < WARMUP_STEP_BASE:
-            self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
+        if batch.step_id < WARMUP_STEP_BASE:
+            self.finished_step = max(self.finished_step, batch.step_id)
+            if self.config.step_trace_len:
+                self.trace.append((self.stage.pp_rank, batch.step_id, start, time.perf_counter()))
         return out
 
     def prefetch(self, batch: ModelBatch) -> None:

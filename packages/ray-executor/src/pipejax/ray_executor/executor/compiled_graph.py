@@ -102,7 +102,6 @@ def execute_step(actor, incoming, name: str):
         out = actor.worker.execute_model(batch)
     except Exception as exc:
         return StepControl(batch, False, f"{name} failed on step {batch.step_id}: {type(exc).__name__}: {exc}")
-    actor.finished_step = max(actor.finished_step, batch.step_id)
     if actor.worker.stage.is_last:
         return out
     return control

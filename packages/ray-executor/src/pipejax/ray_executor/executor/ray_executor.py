@@ -79,7 +79,7 @@ class RayExecutor(Executor):
             timeout=timeout,
         )
         self.pipeline: CompiledPipeline | None = None  # compiled lazily, after warm-up (plain calls)
-        self._steps_pending = 0  # plain mode: steps submitted whose result has not come back
+        self._unfinished: set[Future] = set()  # plain mode: steps submitted whose result has not come back
         # On CPU, stages on one host share its RAM: each sizes its KV cache for the most crowded host.
         crowded = max(p["local_world_size"] for p in self.placement)
         self.kv_cache = choose_kv_cache(self.collective_rpc("kv_cache_plan", stages_on_host=crowded))
@@ -119,18 +119,15 @@ class RayExecutor(Executor):
                                                  describe_error=self._compiled_step_error)
             return self.pipeline.submit(batch)
         refs = [a.call.remote("execute_model", batch) for a in self.actors]
-        if self._steps_pending:  # each stage reaches this step only after those: its pull can start meanwhile
+        if self._unfinished:  # each stage reaches this step only after those: its pull can start meanwhile
             for actor in self.actors[1:]:
                 actor.prefetch.remote(batch)
-        self._steps_pending += 1
         result: Future[SamplerOutput] = Future()
-        result.add_done_callback(self._step_ended)
+        self._unfinished.add(result)
+        result.add_done_callback(self._unfinished.discard)
         for rank, ref in enumerate(refs):
             ref.future().add_done_callback(lambda f, rank=rank: self._stage_done(rank, f, result))
         return result
-
-    def _step_ended(self, _: Future) -> None:
-        self._steps_pending -= 1
 
     def _compiled_step_error(self, exc: Exception) -> StageFailedError:
         """A compiled-graph step's Ray error, naming the stage (and host) whose actor it was, as plain mode does."""
@@ -214,6 +211,7 @@ class RayExecutor(Executor):
         if self.pipeline is not None:  # its channels include the dead actor's; rebuilt at the next step
             self.pipeline.teardown(kill_actors=False)
             self.pipeline = None
+        self._unfinished.clear()  # the engine drops every step in flight
         lost = lost or self.lost_stages()
         phases["find"], mark = time.monotonic() - mark, time.monotonic()
         if not lost:

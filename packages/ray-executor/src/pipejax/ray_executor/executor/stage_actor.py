@@ -25,7 +25,6 @@ class StageActor:
     def __init__(self):
         self.worker = None
         self.transport = None
-        self.finished_step = -1  # the newest step this stage finished (``progress``)
 
     # --- before JAX -------------------------------------------------------------------------
 
@@ -84,10 +83,7 @@ class StageActor:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method(*args, **kwargs)`` of this stage's ``StageWorker``: every per-stage call but the
         compiled-graph step goes through here (``Executor.collective_rpc``, ``execute_model``)."""
-        out = getattr(self.worker, method)(*args, **kwargs)
-        if method == "execute_model":
-            self.finished_step = max(self.finished_step, args[0].step_id)
-        return out
+        return getattr(self.worker, method)(*args, **kwargs)
 
     def execute_step(self, incoming):
         """This stage's node in the compiled graph (see compiled_graph.py)."""
@@ -105,7 +101,7 @@ class StageActor:
     def progress(self) -> int:
         """The newest step this stage finished, answered while a step runs: a step past its deadline waits on
         the first stage that has not finished it (``RayExecutor.hung_stages``)."""
-        return self.finished_step
+        return self.worker.finished_step if self.worker is not None else -1
 
     @ray.method(concurrency_group="prefetch")
     def prefetch(self, batch) -> None:
