@@ -60,59 +60,32 @@ _COMMON_FIELDS = {
     "attention_dropout": 0.0,
 }
 
+def _llama(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+           max_positions: int = 2048) -> dict:
+    """A random Llama's config.json: its shape (``full_hf_config`` adds the fields every built-in model shares)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+    }
+
+
 BUILTIN_MODELS: dict[str, dict] = {
     # Small and fast on CPU; GQA (2 query heads per KV head); head_dim 32.
-    "default": {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 320,
-        "hidden_size": 256,
-        "intermediate_size": 688,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32",
-    },
+    "default": _llama(vocab=320, hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4),
     # Sixteen thin layers: pipelines up to pp=16 whose stages cost next to nothing (schedule benchmarks, where
     # each stage's step time is simulated).
-    "deep": {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 320,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32",
-    },
+    "deep": _llama(vocab=320, hidden=64, intermediate=128, layers=16, heads=4, kv_heads=2),
     # GPT-2-small sized (~124.7M parameters) for benchmarks; head_dim 64.
-    "bench": {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 32000,
-        "hidden_size": 768,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 12,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "torch_dtype": "float32",
-    },
+    "bench": _llama(vocab=32000, hidden=768, intermediate=2048, layers=12, heads=12, kv_heads=4, max_positions=4096),
 }
 
 _MODEL_TYPES = {
