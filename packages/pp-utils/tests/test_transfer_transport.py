@@ -345,7 +345,7 @@ class TestWithinOneProcess:
         sender, receiver, meshes = pair
         spec = self._spec(meshes[1])
         self._send(sender, 60, meshes[0])
-        monkeypatch.setattr(tt, "_describe_array", lambda a: pytest.fail("described again"))
+        monkeypatch.setattr(tt, "describe_array", lambda a: pytest.fail("described again"))
         self._send(sender, 61, meshes[0])
         for step in (60, 61):
             self._receive_ok(receiver, step, spec)

@@ -51,19 +51,28 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import json
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import transfer
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 
-from pipejax.pp_utils.intermediate import IntermediateSpec, IntermediateTensors, SpecMismatchError
+from pipejax.pp_utils.intermediate import IntermediateSpec, IntermediateTensors
+from pipejax.pp_utils.transfer_descriptor import (
+    DESCRIPTOR_BYTES,
+    PullPlan,
+    check_misguessed,
+    describe_array,
+    devices_of,
+    encode,
+    make_plan,
+    reassemble,
+    spec_key,
+)
 from pipejax.pp_utils.transport import (
     DEFAULT_RECEIVE_TIMEOUT_S,
     ActivationTransport,
@@ -71,7 +80,6 @@ from pipejax.pp_utils.transport import (
     TransportTimeout,
 )
 
-DESCRIPTOR_BYTES = 4096
 MAX_STEP_ID = 2**62 - 1  # two uuids per step must fit the server's uint64 ids
 _RECENT_STEPS = 65536  # how many step ids are remembered to refuse a second send/receive
 _SPIN_S = 300e-6  # how long a wait spins before it sleeps
@@ -79,89 +87,13 @@ _SPIN_CHECK_S = 25e-6  # while spinning, how often readiness is queried (each qu
 _POLL_MIN_S, _POLL_MAX_S, _POLL_FRACTION = 20e-6, 1e-3, 0.05  # then sleeps: this fraction of the time waited
 _CACHED_LAYOUTS = 256  # descriptors (send side) and pull plans (receive side) kept per layout
 
-Layout = list[list[list[int]]]  # per buffer, per dimension: [start, stop]
-
-
-def _layout(indices: Sequence[tuple[slice, ...]], shape: Sequence[int]) -> Layout:
-    return [[list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)] for index in indices]
-
-
-def _array_layout(array: jax.Array) -> Layout:
-    return _layout([shard.index for shard in array.addressable_shards], array.shape)
-
-
-def _sharding_layout(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> Layout:
-    return _layout(list(sharding.addressable_devices_indices_map(tuple(shape)).values()), shape)
-
-
-def _describe_array(array: jax.Array) -> dict[str, Any]:
-    sharding = array.sharding
-    entry: dict[str, Any] = {
-        "shape": list(array.shape),
-        "dtype": np.dtype(array.dtype).name,
-        "layout": _array_layout(array),
-    }
-    if isinstance(sharding, NamedSharding):
-        entry["mesh"] = {"names": list(sharding.mesh.axis_names), "sizes": list(sharding.mesh.devices.shape)}
-        entry["pspec"] = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-    return entry
-
-
-def _encode(descriptor: dict[str, Any]) -> np.ndarray:
-    raw = json.dumps(descriptor, separators=(",", ":")).encode()
-    if len(raw) > DESCRIPTOR_BYTES:
-        raise ValueError(
-            f"activation descriptor is {len(raw)} bytes, over DESCRIPTOR_BYTES={DESCRIPTOR_BYTES}; "
-            f"send fewer or less finely sharded tensors per step"
-        )
-    out = np.zeros(DESCRIPTOR_BYTES, np.uint8)
-    out[: len(raw)] = np.frombuffer(raw, np.uint8)
-    return out
-
-
-def _decode(raw: bytes) -> dict[str, Any]:
-    return json.loads(raw.rstrip(b"\0"))
-
-
-def _sender_sharding_on(entry: dict[str, Any], devices: Sequence[jax.Device]) -> jax.sharding.Sharding | None:
-    """The sender's sharding rebuilt over ``devices``, or None where it cannot be."""
-    if len(entry["layout"]) == 1:
-        return SingleDeviceSharding(devices[0])
-    if "mesh" not in entry:
-        return None
-    sizes = entry["mesh"]["sizes"]
-    if int(np.prod(sizes)) > len(devices):
-        return None
-    mesh = Mesh(np.array(list(devices)[: int(np.prod(sizes))]).reshape(sizes), tuple(entry["mesh"]["names"]))
-    pspec = PartitionSpec(*[tuple(p) if isinstance(p, list) else p for p in entry["pspec"]])
-    return NamedSharding(mesh, pspec)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """How to pull one spec's data, learned from a descriptor; reused while the sender's descriptor is the same."""
-
-    key: tuple  # the receiving spec (_spec_key) it was made for
-    descriptor: bytes  # the raw descriptor it was made from
-    entries: tuple[dict[str, Any], ...]  # the sender's entry per tensor, in spec order
-    structs: tuple[jax.ShapeDtypeStruct, ...]  # the data pull
-    shardings: tuple[jax.sharding.Sharding, ...]  # the pull's shardings, in spec order
-
-    def buffer_bytes(self) -> list[list[int]]:
-        """Bytes of every buffer the data pull receives, per tensor."""
-        return [
-            [int(np.prod([b - a for a, b in index])) * np.dtype(e["dtype"]).itemsize for index in e["layout"]]
-            for e in self.entries
-        ]
-
-
 @dataclasses.dataclass
 class _PendingPull:
     """A receive in progress; kept across a timeout so a retry resumes it."""
 
     descriptor: jax.Array
     data: list[jax.Array] | None = None  # pulled arrays, sorted by name
-    data_plan: _Plan | None = None  # the plan ``data`` were pulled with
+    data_plan: PullPlan | None = None  # the plan ``data`` were pulled with
 
 
 class TransferServerTransport(ActivationTransport):
@@ -195,7 +127,7 @@ class TransferServerTransport(ActivationTransport):
         self._received: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pending: dict[int, _PendingPull] = {}
         self._descriptors: collections.OrderedDict[tuple, jax.Array] = collections.OrderedDict()  # send side
-        self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()  # receive side
+        self._plans: collections.OrderedDict[tuple, PullPlan] = collections.OrderedDict()  # receive side
         self._descriptor_structs: collections.OrderedDict[tuple, jax.ShapeDtypeStruct] = collections.OrderedDict()
         # seconds the latest receive waited for the descriptor, then for the data (for profiling)
         self.last_receive_waits: tuple[float, float] = (0.0, 0.0)
@@ -226,10 +158,10 @@ class TransferServerTransport(ActivationTransport):
             for name, array in zip(tensors, arrays, strict=True):
                 if not array.is_fully_addressable:
                     raise ValueError(f"step {step_id}: {name!r} spans processes; a stage must live in one process")
-            described = {k: _describe_array(a) for k, a in zip(tensors, arrays, strict=True)}
+            described = {k: describe_array(a) for k, a in zip(tensors, arrays, strict=True)}
             descriptor = {"pipejax": 1, "tensors": described}
             home = arrays[0].addressable_shards[0].device if arrays else jax.local_devices()[0]
-            encoded = jax.device_put(_encode(descriptor), home)
+            encoded = jax.device_put(encode(descriptor), home)
             with self._lock:
                 _cache(self._descriptors, key, encoded)
         with self._lock:
@@ -252,7 +184,7 @@ class TransferServerTransport(ActivationTransport):
         if self._aborted:
             raise TransportAborted(f"step {step_id}: receives from {self.peer} are aborted until it is replaced")
         deadline = time.monotonic() + timeout
-        key = _spec_key(spec)
+        key = spec_key(spec)
         with self._lock:
             if step_id in self._received:
                 raise ValueError(f"step {step_id} was already received from {self.peer}; each step is pulled once")
@@ -260,15 +192,15 @@ class TransferServerTransport(ActivationTransport):
 
         descriptor_wait = self._wait([pending.descriptor], step_id, timeout, deadline)
         raw = np.asarray(pending.descriptor).tobytes()
-        reassemble = False
+        misplaced = False
         plan = pending.data_plan
         if plan is None or plan.key != key or plan.descriptor != raw:
             try:
-                plan = _make_plan(key, raw, spec, step_id, self.peer)
+                plan = make_plan(key, raw, spec, step_id, self.peer)
                 with self._lock:
                     _cache(self._plans, key, plan)  # the sender's layout now, for the next steps
                 if pending.data is not None:
-                    reassemble = _check_misguessed(pending.data_plan, plan, step_id, self.peer)
+                    misplaced = check_misguessed(pending.data_plan, plan, step_id, self.peer)
             except ValueError:
                 with self._lock:
                     self._pending.pop(step_id, None)
@@ -284,8 +216,8 @@ class TransferServerTransport(ActivationTransport):
         out = {}
         for i, (name, array) in enumerate(zip(spec.names(), pending.data, strict=True)):
             target = spec.tensors[name].sharding
-            if reassemble:
-                array = _reassemble(array, pending.data_plan.shardings[i], plan.entries[i], target or plan.shardings[i])
+            if misplaced:
+                array = reassemble(array, pending.data_plan.shardings[i], plan.entries[i], target or plan.shardings[i])
             elif target is not None and target is not plan.shardings[i] and target != plan.shardings[i]:
                 array = jax.device_put(array, target)
             out[name] = array
@@ -295,7 +227,7 @@ class TransferServerTransport(ActivationTransport):
         with self._lock:
             if self._conn is None or self._aborted or step_id in self._received or step_id in self._pending:
                 return
-            self._start_pull(step_id, _spec_key(spec), spec)
+            self._start_pull(step_id, spec_key(spec), spec)
 
     def _start_pull(self, step_id: int, key: tuple, spec: IntermediateSpec) -> _PendingPull:
         """Issue ``step_id``'s pulls (under ``_lock``). With a plan from an earlier step of this spec, the data pull
@@ -366,53 +298,6 @@ class TransferServerTransport(ActivationTransport):
         self._plans.clear()
 
 
-def _spec_key(spec: IntermediateSpec) -> tuple:
-    return tuple((name, tuple(s.shape), s.dtype, s.sharding) for name, s in spec.tensors.items())
-
-
-def _make_plan(key: tuple, raw: bytes, spec: IntermediateSpec, step_id: int, peer: str) -> _Plan:
-    """Check a descriptor against ``spec`` (``SpecMismatchError``) and plan the data pull it describes."""
-    try:
-        descriptor = _decode(raw)
-    except ValueError as e:  # not JSON: not ours
-        raise SpecMismatchError(f"step {step_id}: {peer} published something that is not a pipejax activation") from e
-    _check_descriptor(descriptor, spec, step_id, peer)
-    entries = tuple(descriptor["tensors"][n] for n in spec.names())
-    shardings = tuple(_pull_sharding(n, e, spec, step_id) for n, e in zip(spec.names(), entries, strict=True))
-    structs = tuple(
-        jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh)
-        for s, sh in zip(spec.tensors.values(), shardings, strict=True)
-    )
-    return _Plan(key, raw, entries, structs, shardings)
-
-
-def _check_misguessed(guess: _Plan, plan: _Plan, step_id: int, peer: str) -> bool:
-    """The data were pulled with ``guess`` but the sender's layout is ``plan``'s: usable as they are (False),
-    only after putting their bytes back in place (True), or lost (ValueError)."""
-    if guess.shardings == plan.shardings and guess.structs == plan.structs:
-        return False
-    if len(guess.entries) == len(plan.entries) and guess.buffer_bytes() == plan.buffer_bytes():
-        return True  # every buffer landed whole, in a differently shaped shard
-    raise ValueError(
-        f"step {step_id}: {peer} changed how it lays out activations of the same shapes since an earlier "
-        f"step, and this step's data were already pulled in the old layout and are lost; keep a stage's "
-        f"output sharding fixed per shape (a new layout arrives intact from the next step on)"
-    )
-
-
-def _reassemble(
-    array: jax.Array, pulled: jax.sharding.Sharding, entry: dict[str, Any], target: jax.sharding.Sharding
-) -> jax.Array:
-    """Data pulled in the wrong layout: buffer ``i`` went whole into the pull's shard ``i``; put it in place."""
-    shape = tuple(entry["shape"])
-    out = np.empty(shape, np.dtype(entry["dtype"]))
-    shards = {s.device: s for s in array.addressable_shards}
-    for device, index in zip(pulled.addressable_devices_indices_map(shape), entry["layout"], strict=True):
-        piece = np.asarray(shards[device].data).reshape(-1).view(out.dtype).reshape([b - a for a, b in index])
-        out[tuple(slice(a, b) for a, b in index)] = piece
-    return jax.device_put(out, target)
-
-
 def _cache(cache: collections.OrderedDict, key: Any, value: Any) -> None:
     cache[key] = value
     cache.move_to_end(key)
@@ -434,35 +319,5 @@ def _remember(recent: collections.OrderedDict[int, None], step_id: int) -> None:
 def _home_device(spec: IntermediateSpec) -> jax.Device:
     for s in spec.tensors.values():
         if s.sharding is not None:
-            return _devices_of(s.sharding)[0]
+            return devices_of(s.sharding)[0]
     return jax.local_devices()[0]
-
-
-def _devices_of(sharding: jax.sharding.Sharding) -> list[jax.Device]:
-    return sorted(sharding.addressable_devices, key=lambda d: d.id)
-
-
-def _check_descriptor(descriptor: dict[str, Any], spec: IntermediateSpec, step_id: int, peer: str) -> None:
-    if descriptor.get("pipejax") != 1:
-        raise SpecMismatchError(f"step {step_id}: {peer} published something that is not a pipejax activation")
-    sent = IntermediateTensors(
-        {k: jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"])) for k, e in descriptor["tensors"].items()}
-    )
-    spec.check(sent, step_id=step_id, peer=peer)
-
-
-def _pull_sharding(name: str, entry: dict[str, Any], spec: IntermediateSpec, step_id: int) -> jax.sharding.Sharding:
-    """A sharding whose shards match the sender's buffers one to one: the target's where it can."""
-    shape = entry["shape"]
-    target = spec.tensors[name].sharding
-    if target is not None and _sharding_layout(target, shape) == entry["layout"]:
-        return target
-    devices = _devices_of(target) if target is not None else jax.local_devices()
-    rebuilt = _sender_sharding_on(entry, devices)
-    if rebuilt is None or _sharding_layout(rebuilt, shape) != entry["layout"]:
-        raise ValueError(
-            f"step {step_id}: {name!r} arrives in {len(entry['layout'])} shards laid out in a way this "
-            f"stage cannot rebuild on its {len(devices)} device(s); send it with a NamedSharding over at most "
-            f"{len(devices)} devices, or in the receiver's layout"
-        )
-    return rebuilt
