@@ -60,7 +60,6 @@ TPU_TABLE = [
 def test_tpu_layout_table(hw, config, backend, expected):
     plan = plan_layout(config, hw)
     assert plan.backend == backend
-    assert plan.worker_cls == "pipejax.worker.StageWorker"
     assert [(s.dp_rank, s.pp_rank) for s in plan.stages] == [
         (d, p) for d in range(config.data_parallel_size) for p in range(config.pipeline_parallel_size)
     ]

@@ -61,21 +61,62 @@ def test_generate_sizes_its_run_by_its_prompts():
 def test_bench_throughput_compares_with_transformers_at_the_same_batch():
     from pipejax.ray_executor.bench import hf_batch_size
     from pipejax.ray_executor.cli import build_parser
+    from pipejax.ray_executor.engine_args import engine_config_from_args
 
     args = build_parser().parse_args(["bench", "throughput"])
-    assert args.hf_batch_size is None and hf_batch_size(args) == 64 == args.max_num_seqs
+    limits = engine_config_from_args(args).scheduler
+    assert args.hf_batch_size is None and hf_batch_size(limits.max_num_seqs, args.num_prompts) == 64
+    assert limits.max_num_batched_tokens == 2048  # the command's own default
     args = build_parser().parse_args(["bench", "throughput", "--num-prompts", "8", "--max-num-seqs", "16"])
-    assert hf_batch_size(args) == 8
+    assert hf_batch_size(engine_config_from_args(args).scheduler.max_num_seqs, args.num_prompts) == 8
+
+
+def test_a_default_is_written_once_and_the_cli_and_engine_config_follow_it(monkeypatch):
+    """Each engine setting's default lives in its config dataclass: change one there, and the CLI's help and
+    ``engine_config`` (behind LLM, generate, serve) both follow."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from pipejax.ray_executor.cli import build_parser
+    from pipejax.ray_executor.engine_args import engine_config
+    from pipejax.runner import config
+
+    def help_line(flag):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--help"])
+        text = " ".join(out.getvalue().split())
+        return text[text.rindex(flag):][:300]  # its entry under options (the usage line comes first)
+
+    assert "(default 16)" in help_line("--block-size") and engine_config("builtin").cache.block_size == 16
+    assert "(default 512)" in help_line("--max-num-batched-tokens")
+
+    @dataclasses.dataclass(frozen=True)
+    class Changed(config.CacheConfig):
+        block_size: int = 32
+
+    @dataclasses.dataclass(frozen=True)
+    class ChangedLimits(config.SchedulerConfig):
+        max_num_batched_tokens: int = 1024
+
+    monkeypatch.setattr(config, "CacheConfig", Changed)
+    monkeypatch.setattr(config, "SchedulerConfig", ChangedLimits)
+    assert "(default 32)" in help_line("--block-size")
+    assert "(default 1024)" in help_line("--max-num-batched-tokens")
+    built = engine_config("builtin")
+    assert (built.cache.block_size, built.scheduler.max_num_batched_tokens) == (32, 1024)
+    assert engine_config("builtin", block_size=8).cache.block_size == 8  # given: the flag wins
 
 
 def test_kv_flags_reach_the_cache_config(monkeypatch):
     """--cpu-kvcache-space and PIPEJAX_CPU_KVCACHE_SPACE (the flag wins) and --gpu-memory-utilization, None
     unless given (the CPU budget then applies; the 0.5 default is resolved where the memory is measured)."""
     from pipejax.ray_executor.cli import build_parser
-    from pipejax.ray_executor.engine_args import ENV_KEYWORDS, engine_config, engine_config_from_args
+    from pipejax.ray_executor.engine_args import engine_config, engine_config_from_args, env_keywords
     from pipejax.runner.config import CPU_KVCACHE_SPACE_ENV, CacheConfig
 
-    assert ENV_KEYWORDS["cpu_kvcache_space"] == CPU_KVCACHE_SPACE_ENV
+    assert env_keywords()["cpu_kvcache_space"] == CPU_KVCACHE_SPACE_ENV
     monkeypatch.delenv(CPU_KVCACHE_SPACE_ENV, raising=False)
     assert engine_config("builtin").cache == CacheConfig()
     monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "2.5")
@@ -142,10 +183,10 @@ def test_one_mapping_reads_the_partition_env_at_the_edge(monkeypatch):
 def test_the_cpu_kernel_build_setting_reaches_the_stages(monkeypatch):
     """Engines build CPU kernels numba lacks in the background by default; PIPEJAX_CPU_KERNEL_BUILD or the keyword
     (the CLI's --cpu-kernel-build) choose otherwise, and a bad value names itself and the choices."""
-    from pipejax.ray_executor.engine_args import ENV_KEYWORDS, engine_config
+    from pipejax.ray_executor.engine_args import engine_config, env_keywords
     from pipejax.runner.cpu.select import KERNEL_BUILD_ENV
 
-    assert ENV_KEYWORDS["cpu_kernel_build"] == KERNEL_BUILD_ENV
+    assert env_keywords()["cpu_kernel_build"] == KERNEL_BUILD_ENV
     monkeypatch.delenv(KERNEL_BUILD_ENV, raising=False)
     assert engine_config("builtin").worker_config(1).cpu_kernel_build == "background"
     monkeypatch.setenv(KERNEL_BUILD_ENV, "wait")
@@ -159,14 +200,15 @@ def test_the_environment_is_read_at_the_edge_only(monkeypatch, tmp_path):
     """Every variable the engine honours becomes a config field in ``engine_config`` (an explicit keyword
     wins); below it nothing reads the environment, so a config built directly takes the defaults."""
     from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
-    from pipejax.ray_executor.engine_args import ENGINE_ARGS, ENV_KEYWORDS, engine_config
+    from pipejax.ray_executor.engine_args import ENGINE_ARGS, engine_config, env_keywords
     from pipejax.runner.builtin_model import CACHE_DIR_ENV
     from pipejax.worker.worker import CACHE_DIR_ENV as COMPILATION_CACHE_DIR_ENV
     from pipejax.worker.worker import default_compilation_cache_dir
 
-    assert set(ENV_KEYWORDS) <= set(ENGINE_ARGS)
-    assert ENV_KEYWORDS["model_cache_dir"] == CACHE_DIR_ENV
-    assert ENV_KEYWORDS["compilation_cache_dir"] == COMPILATION_CACHE_DIR_ENV
+    names = env_keywords()
+    assert set(names) <= set(ENGINE_ARGS)
+    assert names["model_cache_dir"] == CACHE_DIR_ENV
+    assert names["compilation_cache_dir"] == COMPILATION_CACHE_DIR_ENV
     models = os.environ["PIPEJAX_CACHE_DIR"]  # this run's (conftest)
     env = {"RAY_ADDRESS": "10.0.0.1:6379", "PIPEJAX_RAY_DEVICE_RESOURCE": "my_cpu",
            "PIPEJAX_PLATFORM_PLUGIN": "tpu", "PIPEJAX_COMPILATION_CACHE_DIR": str(tmp_path)}

@@ -19,7 +19,6 @@ from pipejax.platform_tpu.hardware import (
 from pipejax.platform_tpu.layout import (
     CHIP_BOUNDS,
     TPU_PORT_BASE,
-    WORKER_CLS,
     LayoutError,
     Placement,
     PlatformPlan,
@@ -38,7 +37,6 @@ __all__ = [
     "PLATFORM_CLASS",
     "PLATFORM_ENV",
     "TPU_PORT_BASE",
-    "WORKER_CLS",
     "Hardware",
     "LayoutError",
     "Placement",

@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # importing pipejax.pp_utils imports JAX; the platform only r
 # chips of one process -> TPU_CHIPS_PER_PROCESS_BOUNDS (as JAX's own multi-process TPU tests lay them out)
 CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 TPU_PORT_BASE = 8476  # libtpu's default TPU_PROCESS_PORT; a process uses TPU_PORT_BASE + its first chip
-WORKER_CLS = "pipejax.worker.StageWorker"
 
 
 class LayoutError(ValueError):
@@ -49,11 +48,10 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class PlatformPlan:
-    """A checked layout: the config (backend chosen), the worker class and every process's environment."""
+    """A checked layout: the config (backend chosen) and every process's environment."""
 
     parallel: ParallelConfig
     hardware: Hardware
-    worker_cls: str
     stages: tuple[Placement, ...]  # stages[dp_rank * pp + pp_rank]
     engines: tuple[Placement, ...]  # engines[dp_rank]: its chips under 'uni'; none under 'ray'
 
@@ -174,7 +172,7 @@ def plan_layout(config: ParallelConfig, hw: Hardware, *, xla_flags: str = "") ->
         return Placement(dp_rank, pp_rank, host, tuple(chips), tuple(sorted(env.items())))
 
     return PlatformPlan(
-        config, hw, WORKER_CLS, tuple(place(*s) for s in stages), tuple(place(*e) for e in engines)
+        config, hw, tuple(place(*s) for s in stages), tuple(place(*e) for e in engines)
     )
 
 

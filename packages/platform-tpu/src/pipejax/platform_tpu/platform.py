@@ -28,7 +28,6 @@ from pipejax.platform_tpu.hardware import (
     resolve_mode,
 )
 from pipejax.platform_tpu.layout import (
-    WORKER_CLS,
     PlatformPlan,
     check_layout,
     driver_env,
@@ -49,7 +48,6 @@ class TpuPlatform:
 
     device_name = "tpu"  # what the platform is named by (plugins, logs)
     device_type = "tpu"  # vLLM's spelling
-    worker_cls = WORKER_CLS
 
     def __init__(
         self,

@@ -31,13 +31,15 @@ from typing import TYPE_CHECKING
 from vllm.platforms.interface import Platform, PlatformEnum
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from vllm.config import VllmConfig
+
+    from pipejax.worker.vllm_options import VllmStageOptions
 
 log = logging.getLogger(__name__)
 
 WORKER_CLS = "pipejax.worker.vllm_worker.VllmStageWorker"
-OPTIONS_KEY = "pipejax"  # additional_config key the worker reads (pipejax.worker.vllm_worker.OPTIONS_KEY)
-DEFAULT_BLOCK_SIZE = 16
 SUPPORTED_VLLM = "0.32.0"
 # Passed to vLLM's Ray workers with the driver's values (vLLM copies these names). The compilation cache
 # folder is not among them: the platform reads PIPEJAX_COMPILATION_CACHE_DIR here and records it in the options.
@@ -71,21 +73,13 @@ class PipejaxPlatform(Platform):
         if pc.distributed_executor_backend == "external_launcher":
             raise ValueError("pipejax does not support distributed_executor_backend='external_launcher'; "
                              "use 'uni', 'mp' or 'ray'")
-        opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
-        if opts is None:  # first call (the config is checked again in each process that rebuilds it)
-            from pipejax.runner.cpu.select import cpu_kernel_build_from_env
-            from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
-            from pipejax.worker.worker import compilation_cache_dir_from_env
+        from pipejax.worker.vllm_options import OPTIONS_KEY, VllmStageOptions
 
-            opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size,
-                               pc.distributed_executor_backend, os.environ.get("VLLM_PP_LAYER_PARTITION"))
-            # The platform is the edge that reads pipejax's environment under vLLM; every stage gets the driver's.
-            opts["compilation_cache_dir"] = compilation_cache_dir_from_env(os.environ)
-            opts["cpu_kvcache_space"] = cpu_kvcache_space_from_env(os.environ)  # GiB per host on CPU; None: default
-            opts["cpu_kernel_build"] = cpu_kernel_build_from_env(os.environ)
-            additional = dict(vllm_config.additional_config or {})
-            additional[OPTIONS_KEY] = opts
-            vllm_config.additional_config = additional
+        if VllmStageOptions.of(vllm_config.additional_config) is None:
+            # first call (the config is checked again in each process that rebuilds it)
+            opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, pc.distributed_executor_backend,
+                               os.environ)
+            vllm_config.additional_config = {**(vllm_config.additional_config or {}), OPTIONS_KEY: opts.as_dict()}
             # vLLM sees one rank per stage: TP is the stage's own mesh.
             pc.tensor_parallel_size = 1
             pc.world_size = pc.pipeline_parallel_size * pc.prefill_context_parallel_size
@@ -98,7 +92,9 @@ class PipejaxPlatform(Platform):
         if pc.worker_cls == "auto":
             pc.worker_cls = WORKER_CLS
         if cache.block_size is None:
-            cache.block_size = DEFAULT_BLOCK_SIZE
+            from pipejax.runner.config import CacheConfig
+
+            cache.block_size = CacheConfig().block_size
         if cache.block_size & (cache.block_size - 1):
             raise ValueError(f"block_size={cache.block_size}: pipejax's paged KV cache needs a power of two, e.g. 16")
         # The worker feeds each step's tokens from the scheduler output, in order (no async overlap).
@@ -176,9 +172,14 @@ def check_ray_cluster(device_key: str, stages: int) -> None:
         ep.load()(device_key, stages)
 
 
-def plan_stages(pp: int, tp: int, backend: str | None, partition: str | None) -> dict:
-    """pipejax's layout check for vLLM's pp x tp, and each stage process's environment by local rank."""
+def plan_stages(pp: int, tp: int, backend: str | None, environ: Mapping[str, str]) -> VllmStageOptions:
+    """pipejax's layout check for vLLM's pp x tp, each stage process's environment by local rank, and the settings
+    ``environ`` gives every stage (the platform is the edge that reads pipejax's environment under vLLM)."""
     from pipejax.pp_utils.config import ParallelConfig
+    from pipejax.runner.cpu.select import cpu_kernel_build_from_env
+    from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
+    from pipejax.worker.vllm_options import VllmStageOptions
+    from pipejax.worker.worker import compilation_cache_dir_from_env
 
     if backend == "uni" and pp > 1:
         raise ValueError(
@@ -188,16 +189,20 @@ def plan_stages(pp: int, tp: int, backend: str | None, partition: str | None) ->
     platform = _pipejax_platform()
     # The layout rules of the executor asked for ('uni'/'mp': one host), then every stage placed as
     # its own process (a vLLM worker), as pipejax's Ray backend places stages.
+    partition = environ.get("VLLM_PP_LAYER_PARTITION")
     asked = ParallelConfig(pp, tp, 1, partition, "ray" if backend == "ray" else "uni")
     checked = platform.check_and_update_config(asked)
     plan = platform.plan(dataclasses.replace(checked, distributed_executor_backend="ray"))
     first_host = [s.env for s in plan.stages if s.host == 0]
     log.info("pipejax under vLLM: %s", plan.describe())
-    return {
-        "tensor_parallel_size": tp,
-        "pp_layer_partition": partition,
-        "stage_environments": first_host,  # a stage takes the one of its local rank on its host
-    }
+    return VllmStageOptions(
+        tensor_parallel_size=tp,
+        pp_layer_partition=partition,
+        stage_environments=tuple(first_host),  # a stage takes the one of its local rank on its host
+        compilation_cache_dir=compilation_cache_dir_from_env(environ),
+        cpu_kvcache_space=cpu_kvcache_space_from_env(environ),  # GiB per host on CPU; None: the default
+        cpu_kernel_build=cpu_kernel_build_from_env(environ),
+    )
 
 
 def refuse_unsupported_config(vllm_config: VllmConfig) -> None:

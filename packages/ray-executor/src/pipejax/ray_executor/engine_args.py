@@ -5,7 +5,8 @@ command line's ``--flags`` of the same names, ``cli._add_engine_args``) to its p
 ``pipejax generate``, ``bench throughput`` and ``serve`` all go through it. It is also where the engine's
 environment variables are read (``environment_defaults``): below it, every setting arrives as a config field.
 
-Imports nothing JAX-related at module level: the CLI calls ``configure_devices`` before JAX loads.
+Imports nothing JAX-related at module level: the CLI calls ``configure_devices`` before JAX loads (the config
+modules it reads defaults from load no JAX; ``env_keywords`` does, so it waits until then).
 """
 
 from __future__ import annotations
@@ -19,31 +20,67 @@ from typing import Any
 
 from pipejax.ray_executor.platforms import PLATFORM_PLUGIN_ENV
 
-# engine_config's keywords that an environment variable gives where the caller gives none. (The names of
-# the lower layers' variables are written out: importing them would load JAX before configure_devices.)
-ENV_KEYWORDS = {
-    "pp_layer_partition": "PIPEJAX_PP_LAYER_PARTITION",  # pp_utils.PARTITION_ENV
-    "ray_address": "RAY_ADDRESS",
-    "ray_device_resource": "PIPEJAX_RAY_DEVICE_RESOURCE",
-    "platform_plugin": PLATFORM_PLUGIN_ENV,
-    "model_cache_dir": "PIPEJAX_CACHE_DIR",  # runner.builtin_model.CACHE_DIR_ENV
-    "compilation_cache_dir": "PIPEJAX_COMPILATION_CACHE_DIR",  # worker.worker.CACHE_DIR_ENV
-    "cpu_kvcache_space": "PIPEJAX_CPU_KVCACHE_SPACE",  # runner.config.CPU_KVCACHE_SPACE_ENV
-    "cpu_kernel_build": "PIPEJAX_CPU_KERNEL_BUILD",  # runner.cpu.select.KERNEL_BUILD_ENV
-}
+DEVICE_RESOURCE_ENV = "PIPEJAX_RAY_DEVICE_RESOURCE"  # the Ray resource that counts simulated devices (RayConfig)
+
+def env_keywords() -> dict[str, str]:
+    """``engine_config``'s keywords that an environment variable gives where the caller gives none, and the
+    variable's name, imported from the module that owns it. (Those modules load JAX: call this only once the
+    devices are configured, ``configure_devices``.)"""
+    from pipejax.pp_utils import PARTITION_ENV
+    from pipejax.runner.builtin_model import CACHE_DIR_ENV
+    from pipejax.runner.config import CPU_KVCACHE_SPACE_ENV
+    from pipejax.runner.cpu.select import KERNEL_BUILD_ENV
+    from pipejax.worker.worker import CACHE_DIR_ENV as COMPILATION_CACHE_DIR_ENV
+
+    return {
+        "pp_layer_partition": PARTITION_ENV,
+        "ray_address": "RAY_ADDRESS",  # Ray's own
+        "ray_device_resource": DEVICE_RESOURCE_ENV,
+        "platform_plugin": PLATFORM_PLUGIN_ENV,
+        "model_cache_dir": CACHE_DIR_ENV,
+        "compilation_cache_dir": COMPILATION_CACHE_DIR_ENV,
+        "cpu_kvcache_space": CPU_KVCACHE_SPACE_ENV,
+        "cpu_kernel_build": KERNEL_BUILD_ENV,
+    }
 
 
 def environment_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
-    """``engine_config``'s keywords as ``environ`` sets them (``ENV_KEYWORDS``); an unset or empty variable
-    gives none, except ``PIPEJAX_COMPILATION_CACHE_DIR=""``, which turns the compilation cache off."""
-    out: dict[str, Any] = {key: environ[name] for key, name in ENV_KEYWORDS.items() if environ.get(name)}
-    if environ.get(ENV_KEYWORDS["compilation_cache_dir"]) == "":
-        out["compilation_cache_dir"] = ""
+    """``engine_config``'s keywords as ``environ`` sets them (``env_keywords``); an unset or empty variable
+    gives none (``engine_config`` asks the worker what an empty PIPEJAX_COMPILATION_CACHE_DIR means)."""
+    names = env_keywords()
+    out: dict[str, Any] = {key: environ[name] for key, name in names.items() if environ.get(name)}
     if "cpu_kvcache_space" in out:
         from pipejax.worker.kv_sizing import gib_from_env
 
-        out["cpu_kvcache_space"] = gib_from_env(ENV_KEYWORDS["cpu_kvcache_space"], out["cpu_kvcache_space"])
+        out["cpu_kvcache_space"] = gib_from_env(names["cpu_kvcache_space"], out["cpu_kvcache_space"])
     return out
+
+
+def engine_defaults() -> dict[str, Any]:
+    """The default of each engine argument that has one, read from the config field it fills (where it is
+    written, the one place): for the command line's help. (The config modules load no JAX.)"""
+    from pipejax.pp_utils.config import ParallelConfig
+    from pipejax.ray_executor import config as engine
+    from pipejax.runner import config as runner
+
+    def default(cls, name):
+        return cls.__dataclass_fields__[name].default
+
+    return {
+        "pipeline_parallel_size": default(ParallelConfig, "pipeline_parallel_size"),
+        "tensor_parallel_size": default(ParallelConfig, "tensor_parallel_size"),
+        "seed": default(runner.ModelSource, "seed"),
+        "model_impl": default(runner.ModelSource, "impl"),
+        "block_size": default(runner.CacheConfig, "block_size"),
+        "gpu_memory_utilization": runner.DEFAULT_MEMORY_FRACTION,
+        "cpu_kvcache_space": runner.DEFAULT_CPU_KVCACHE_SPACE_GIB,
+        "max_num_seqs": default(runner.SchedulerConfig, "max_num_seqs"),
+        "max_num_batched_tokens": default(runner.SchedulerConfig, "max_num_batched_tokens"),
+        "ray_device_resource": default(engine.RayConfig, "device_resource"),
+        "placement_timeout_s": default(engine.RayConfig, "placement_timeout_s"),
+        "recovery_timeout": default(engine.EngineConfig, "recovery_timeout_s"),
+        "cpu_kernel_build": default(engine.EngineConfig, "cpu_kernel_build"),
+    }
 
 
 def configure_devices(args: argparse.Namespace) -> None:
@@ -53,8 +90,12 @@ def configure_devices(args: argparse.Namespace) -> None:
     or processes own the chips (the Ray backend, ``serve``)."""
     from pipejax.ray_executor.platforms import current_platform
 
-    platform = current_platform(environment_defaults(os.environ).get("platform_plugin"))
-    pp, tp = args.pipeline_parallel_size, args.tensor_parallel_size
+    platform = current_platform(os.environ.get(PLATFORM_PLUGIN_ENV) or None)
+    from pipejax.pp_utils.config import ParallelConfig  # loads no JAX
+
+    layout = ParallelConfig(**_given(pipeline_parallel_size=args.pipeline_parallel_size,
+                                     tensor_parallel_size=args.tensor_parallel_size))
+    pp, tp = layout.pipeline_parallel_size, layout.tensor_parallel_size
     if not platform.is_simulated():
         backend = "ray" if getattr(args, "command", None) == "serve" else args.distributed_executor_backend
         os.environ.update(platform.driver_environment(pp, tp, backend))
@@ -92,29 +133,29 @@ def resolve_model(model: str | None, cache_dir: str | None = None) -> str:
 def engine_config(
     model: str | None = None,
     *,
-    pipeline_parallel_size: int = 1,
-    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int | None = None,
+    tensor_parallel_size: int | None = None,
     pp_layer_partition: str | tuple[int, ...] | None = None,
     distributed_executor_backend: str | None = None,
     dtype: str | None = None,
-    seed: int = 0,
-    model_impl: str = "jax",
-    block_size: int = 16,
+    seed: int | None = None,
+    model_impl: str | None = None,
+    block_size: int | None = None,
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float | None = None,
     cpu_kvcache_space: float | None = None,
     max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 512,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
     ray_address: str | None = None,
     ray_device_resource: str | None = None,
-    placement_timeout_s: float = 120.0,
-    ray_compiled_graph: bool = False,
-    pin_stage_cpus: bool = False,
+    placement_timeout_s: float | None = None,
+    ray_compiled_graph: bool | None = None,
+    pin_stage_cpus: bool | None = None,
     max_batches_in_flight: int | None = None,
-    step_trace_len: int = 0,
-    recovery: str | bool = "on",
-    recovery_timeout: float = 120.0,
+    step_trace_len: int | None = None,
+    recovery: str | bool | None = None,
+    recovery_timeout: float | None = None,
     platform_plugin: str | None = None,
     model_cache_dir: str | None = None,
     compilation_cache_dir: str | None = None,
@@ -122,23 +163,24 @@ def engine_config(
 ):
     """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``).
 
-    A keyword left None takes its environment variable (``ENV_KEYWORDS``; the one place pipejax reads them),
-    else the default: ``pp_layer_partition`` (PIPEJAX_PP_LAYER_PARTITION; even split), ``ray_address``
-    (RAY_ADDRESS; a local cluster), ``ray_device_resource`` (PIPEJAX_RAY_DEVICE_RESOURCE; pipejax_cpu_device),
-    ``platform_plugin`` (PIPEJAX_PLATFORM_PLUGIN; the one that applies), ``model_cache_dir`` (PIPEJAX_CACHE_DIR:
-    where 'builtin' models are generated; ~/.cache/pipejax), ``compilation_cache_dir``
-    (PIPEJAX_COMPILATION_CACHE_DIR; ~/.cache/pipejax/jax-compilation; "" turns the cache off),
-    ``cpu_kvcache_space`` (PIPEJAX_CPU_KVCACHE_SPACE: GiB of host RAM for the KV caches of every stage on a CPU
-    host; runner's ``CacheConfig`` has the default and ``pipejax.worker.kv_sizing`` the arithmetic).
-    ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig`` default on accelerators.
-    ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests again (Ray backends),
-    giving up after ``recovery_timeout`` seconds. ``cpu_kernel_build`` (PIPEJAX_CPU_KERNEL_BUILD): how a stage on
-    a CPU host waits for a kernel numba has not built there yet ("background", the default: XLA's formulation
-    until it is built; "wait"; "cached": only kernels already built; ``pipejax.runner.cpu.select``)."""
+    A keyword left None takes the default of the config field it fills (``engine_defaults`` lists them; the
+    dataclasses are the one place a default is written), except those an environment variable gives first
+    (``env_keywords``; the one place pipejax reads them): ``pp_layer_partition`` (PIPEJAX_PP_LAYER_PARTITION; an
+    even split), ``ray_address`` (RAY_ADDRESS; a local cluster), ``ray_device_resource``
+    (PIPEJAX_RAY_DEVICE_RESOURCE), ``platform_plugin`` (PIPEJAX_PLATFORM_PLUGIN; the one that applies),
+    ``model_cache_dir`` (PIPEJAX_CACHE_DIR: where 'builtin' models are generated; ~/.cache/pipejax),
+    ``compilation_cache_dir`` (PIPEJAX_COMPILATION_CACHE_DIR; the worker's ``compilation_cache_dir`` rule: ""
+    turns the cache off), ``cpu_kvcache_space`` (PIPEJAX_CPU_KVCACHE_SPACE: GiB of host RAM for the KV caches of
+    every stage on a CPU host; ``pipejax.worker.kv_sizing`` has the arithmetic) and ``cpu_kernel_build``
+    (PIPEJAX_CPU_KERNEL_BUILD: how a stage on a CPU host waits for a kernel numba has not built there yet;
+    ``pipejax.runner.cpu.select``). ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig``
+    default on accelerators. ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
+    again (Ray backends), giving up after ``recovery_timeout`` seconds."""
     from pipejax.pp_utils import ParallelConfig
-    from pipejax.ray_executor.config import CPU_DEVICE_RESOURCE, EngineConfig, ModelSource, RayConfig
-    from pipejax.runner.config import CacheConfig, SchedulerConfig
-    from pipejax.worker.worker import default_compilation_cache_dir
+    from pipejax.ray_executor.config import EngineConfig, RayConfig
+    from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig
+    from pipejax.worker.worker import compilation_cache_dir as cache_dir_setting
+    from pipejax.worker.worker import compilation_cache_dir_from_env
 
     explicit = {
         "pp_layer_partition": pp_layer_partition or None,
@@ -146,55 +188,60 @@ def engine_config(
         "ray_device_resource": ray_device_resource,
         "platform_plugin": platform_plugin,
         "model_cache_dir": model_cache_dir,
-        "compilation_cache_dir": compilation_cache_dir,
         "cpu_kvcache_space": cpu_kvcache_space,
         "cpu_kernel_build": cpu_kernel_build,
     }
-    if recovery not in ("on", "off", True, False):
+    if recovery not in ("on", "off", True, False, None):
         raise ValueError(f"recovery={recovery!r}; use 'on' or 'off'")
-    if not recovery_timeout > 0:
+    if recovery_timeout is not None and not recovery_timeout > 0:
         raise ValueError(f"recovery_timeout={recovery_timeout!r}; give the seconds a lost stage may take to be "
                          f"replaced, > 0 (e.g. 120), or turn recovery off")
     env = environment_defaults(os.environ) | {k: v for k, v in explicit.items() if v is not None}
-    compile_cache = env.get("compilation_cache_dir")  # "": off
     return EngineConfig(
-        model=ModelSource(
-            path=resolve_model(model, env.get("model_cache_dir")), dtype=dtype, seed=seed, impl=model_impl
-        ),
-        parallel=ParallelConfig(
+        model=ModelSource(resolve_model(model, env.get("model_cache_dir")),
+                          **_given(dtype=dtype, seed=seed, impl=model_impl)),
+        parallel=ParallelConfig(**_given(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pp_layer_partition=env.get("pp_layer_partition"),
             distributed_executor_backend=distributed_executor_backend,
-        ),
-        cache=CacheConfig(
+        )),
+        cache=CacheConfig(**_given(
             block_size=block_size, num_blocks=num_kv_blocks, memory_fraction=gpu_memory_utilization,
             cpu_kvcache_space=env.get("cpu_kvcache_space"),
-        ),
-        scheduler=SchedulerConfig(
+        )),
+        scheduler=SchedulerConfig(**_given(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
-        ),
-        ray=RayConfig(
+        )),
+        ray=RayConfig(**_given(
             address=env.get("ray_address"),
-            device_resource=env.get("ray_device_resource", CPU_DEVICE_RESOURCE),
+            device_resource=env.get("ray_device_resource"),
             placement_timeout_s=placement_timeout_s,
             compiled_graph=ray_compiled_graph,
             pin_stage_cpus=pin_stage_cpus,
+        )),
+        compilation_cache_dir=(compilation_cache_dir_from_env(os.environ) if compilation_cache_dir is None
+                               else cache_dir_setting(compilation_cache_dir)),
+        **_given(
+            max_batches_in_flight=max_batches_in_flight,
+            step_trace_len=step_trace_len,
+            recovery=None if recovery is None else recovery in ("on", True),
+            recovery_timeout_s=None if recovery_timeout is None else float(recovery_timeout),
+            platform_plugin=env.get("platform_plugin"),
+            cpu_kernel_build=_kernel_build(env.get("cpu_kernel_build")),
         ),
-        max_batches_in_flight=max_batches_in_flight,
-        step_trace_len=step_trace_len,
-        recovery=recovery in ("on", True),
-        recovery_timeout_s=float(recovery_timeout),
-        platform_plugin=env.get("platform_plugin"),
-        compilation_cache_dir=default_compilation_cache_dir() if compile_cache is None else compile_cache or None,
-        cpu_kernel_build=_kernel_build(env.get("cpu_kernel_build", "background")),
     )
 
 
-def _kernel_build(value: str) -> str:
+def _given(**settings: Any) -> dict[str, Any]:
+    """The settings given (not None): a config built from them keeps its own default for the rest."""
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def _kernel_build(value: str | None) -> str | None:
     from pipejax.runner.cpu.select import KERNEL_BUILDS
 
-    if value not in KERNEL_BUILDS:
+    if value is not None and value not in KERNEL_BUILDS:
         raise ValueError(f"cpu_kernel_build={value!r} (--cpu-kernel-build / PIPEJAX_CPU_KERNEL_BUILD); use one of "
                          f"{', '.join(KERNEL_BUILDS)}")
     return value
@@ -204,7 +251,7 @@ ENGINE_ARGS = tuple(inspect.signature(engine_config).parameters)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides):
-    """``engine_config`` of the parsed engine arguments (those the command has, a flag left None taking
-    ``engine_config``'s default), with ``overrides``."""
+    """``engine_config`` of the parsed engine arguments (those the command has, a flag left None taking its
+    config's default), with ``overrides``."""
     given = {name: getattr(args, name) for name in ENGINE_ARGS if getattr(args, name, None) is not None}
     return engine_config(**{**given, **overrides})

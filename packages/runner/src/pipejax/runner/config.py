@@ -170,6 +170,16 @@ def auto_partition(model: ModelConfig, pp: int) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Which model a stage serves and how to load it (its architecture comes from the checkpoint)."""
+
+    path: str  # a folder holding a Hugging Face checkpoint, or a GGUF file (the edges resolve a name to it)
+    dtype: str | None = None  # None: the checkpoint's
+    seed: int = 0
+    impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
+
+
+@dataclasses.dataclass(frozen=True)
 class StageConfig:
     """Which part of the model this stage runs."""
 

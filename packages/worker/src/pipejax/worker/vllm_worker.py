@@ -35,23 +35,23 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunne
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from pipejax.runner.batch import ModelBatch, SamplerOutput
-from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig, StageConfig
 from pipejax.runner.model import kv_heads_for_tp
+from pipejax.worker.vllm_options import OPTIONS_KEY, VllmStageOptions
 from pipejax.worker.vllm_requests import RequestStates, UnsupportedFeatureError
 from pipejax.worker.worker import StageWorker, WorkerConfig
 
 log = logging.getLogger(__name__)
 
-OPTIONS_KEY = "pipejax"  # vllm_config.additional_config[OPTIONS_KEY]: what the platform decided
 STEP_HANDLE = "pipejax_step"  # the one tensor a non-last stage hands vLLM's compiled graph
 
 
-def options(vllm_config: VllmConfig) -> dict:
-    opts = (vllm_config.additional_config or {}).get(OPTIONS_KEY)
+def options(vllm_config: VllmConfig) -> VllmStageOptions:
+    opts = VllmStageOptions.of(vllm_config.additional_config)
     if opts is None:
         raise RuntimeError(
-            "VllmStageWorker runs under pipejax's vLLM platform, which records its options in "
-            "additional_config['pipejax']; set PIPEJAX_PLATFORM=cpu (or run on a TPU host) so vLLM picks it"
+            f"VllmStageWorker runs under pipejax's vLLM platform, which records its options in "
+            f"additional_config[{OPTIONS_KEY!r}]; set PIPEJAX_PLATFORM=cpu (or run on a TPU host) so vLLM picks it"
         )
     return opts
 
@@ -159,7 +159,7 @@ class VllmStageWorker(WorkerBase):
     def init_device(self) -> None:
         pc = self.parallel_config
         pp = pc.pipeline_parallel_size
-        envs = self.options["stage_environments"]
+        envs = self.options.stage_environments
         _apply_stage_environment(envs[min(self.local_rank, len(envs) - 1)], self.rank)
         self.device = self.current_platform.device_type  # vLLM's handle; the stage's devices are JAX's
         # vLLM's process groups (gloo, control only): one rank per stage, TP lives inside the stage.
@@ -167,7 +167,7 @@ class VllmStageWorker(WorkerBase):
                                      backend="gloo")
         ensure_model_parallel_initialized(1, pp)
         pp_rank = get_pp_group().rank_in_group
-        stage = StageConfig(pp_rank, pp, self.options.get("pp_layer_partition"))
+        stage = StageConfig(pp_rank, pp, self.options.pp_layer_partition)
         recv = send = None
         if pp > 1:
             from pipejax.pp_utils import TransferServerTransport
@@ -187,25 +187,15 @@ class VllmStageWorker(WorkerBase):
 
     def _worker_config(self, stage: StageConfig) -> WorkerConfig:
         sched, mc = self.scheduler_config, self.model_config
-        limits = SchedulerConfig(
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=mc.max_model_len,
-        )
-        return WorkerConfig(
-            model=mc.model,
-            stage=stage,
-            tp_size=self.options["tensor_parallel_size"],
-            # on CPU: the host's KV budget (the platform records PIPEJAX_CPU_KVCACHE_SPACE or vLLM's own
-            # VLLM_CPU_KVCACHE_SPACE), shared with the stages of vLLM's other data-parallel engines on this host
-            cache=CacheConfig(block_size=self.cache_config.block_size,
-                              cpu_kvcache_space=self.options.get("cpu_kvcache_space"),
-                              engines_on_host=max(1, self.parallel_config.data_parallel_size_local)),
-            scheduler=limits,
-            dtype=str(mc.dtype).removeprefix("torch."),
-            seed=mc.seed or 0,
-            compilation_cache_dir=self.options["compilation_cache_dir"],
-            cpu_kernel_build=self.options.get("cpu_kernel_build", "background"),
+        return self.options.worker_config(
+            ModelSource(mc.model, dtype=str(mc.dtype).removeprefix("torch."), seed=mc.seed or 0),
+            stage,
+            # on CPU the host's KV budget (the options') is shared with the stages of vLLM's other data-parallel
+            # engines on this host
+            CacheConfig(block_size=self.cache_config.block_size,
+                        engines_on_host=max(1, self.parallel_config.data_parallel_size_local)),
+            SchedulerConfig(max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                            max_model_len=mc.max_model_len),
         )
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, stage_mesh
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelConfig, ModelSource, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner, kv_bytes_per_block
 from pipejax.worker import compile_stats
 from pipejax.worker.compile_stats import CompileStats
@@ -43,14 +43,19 @@ def default_compilation_cache_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "pipejax", "jax-compilation")
 
 
+def compilation_cache_dir(setting: str | None) -> str | None:
+    """The cache folder a setting names (the flag, the keyword or ``$PIPEJAX_COMPILATION_CACHE_DIR``): None
+    (not set) gives the default, "" turns the cache off (None), anything else is the folder."""
+    if setting is None:
+        return default_compilation_cache_dir()
+    return setting or None
+
+
 def compilation_cache_dir_from_env(environ: Mapping[str, str]) -> str | None:
-    """The cache folder ``$PIPEJAX_COMPILATION_CACHE_DIR`` in ``environ`` names (set but empty: None, no
-    cache), else the default. The worker reads no environment: the edges (the engine's ``engine_config``,
-    the vLLM platform) pass theirs and hand the result down in ``WorkerConfig.compilation_cache_dir``."""
-    value = environ.get(CACHE_DIR_ENV)
-    if value is not None:
-        return value or None
-    return default_compilation_cache_dir()
+    """``compilation_cache_dir`` of ``$PIPEJAX_COMPILATION_CACHE_DIR`` in ``environ``. The worker reads no
+    environment: the edges (the engine's ``engine_config``, the vLLM platform) pass theirs and hand the result
+    down in ``WorkerConfig.compilation_cache_dir``."""
+    return compilation_cache_dir(environ.get(CACHE_DIR_ENV))
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -65,14 +70,11 @@ def enable_compilation_cache(path: str) -> None:
 class WorkerConfig:
     """Everything a stage worker needs; the same for every stage but ``stage``."""
 
-    model: str
+    model: ModelSource  # a bare path is taken as ModelSource(path)
     stage: StageConfig
     tp_size: int
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()  # batching limits (the engine resolves max_model_len)
-    dtype: str | None = None
-    seed: int = 0
-    model_impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
     receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S
     # JAX's persistent compilation cache of this process (None: none)
     compilation_cache_dir: str | None = dataclasses.field(default_factory=default_compilation_cache_dir)
@@ -83,6 +85,10 @@ class WorkerConfig:
     # Benchmarks of the schedule: each step of this stage takes at least this long, the part its real work leaves
     # spent asleep (no core used), as a step on a device of its own is waited for. 0: off (serving).
     simulated_step_s: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.model, str):
+            object.__setattr__(self, "model", ModelSource(self.model))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +128,7 @@ class StageWorker:
         self.devices = devices
         self.mesh = stage_mesh(devices)
         self.recv, self.send = recv, send
-        self.model_config = ModelConfig.from_pretrained(config.model, dtype=config.dtype)
+        self.model_config = ModelConfig.from_pretrained(config.model.path, dtype=config.model.dtype)
         self.limits = config.scheduler.for_model(self.model_config)
         self.runner: StageRunner | None = None
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default
@@ -162,8 +168,8 @@ class StageWorker:
         cache = dataclasses.replace(self.config.cache, num_blocks=num_blocks)
         start = time.perf_counter()
         self.runner = StageRunner(
-            self.config.model, self.mesh, self.stage, cache, self.model_config, self.config.seed,
-            self.config.model_impl, scheduler=self.limits, kernel_build=self.config.cpu_kernel_build,
+            self.config.model.path, self.mesh, self.stage, cache, self.model_config, self.config.model.seed,
+            self.config.model.impl, scheduler=self.limits, kernel_build=self.config.cpu_kernel_build,
         )
         # the kernel choice (measured on a host's first start, remembered after) apart from the weights
         self.setup_times["kernels"] = self.runner.selection_span

@@ -24,8 +24,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     dp.add_argument("--headless", action="store_true", help="engines only, serving a head elsewhere (-dpb mp)")
     dp.add_argument("--heartbeat-timeout", type=float, default=15.0,
                     help="seconds of engine silence after which the coordinator declares it dead")
-    dp.add_argument("--placement-timeout", type=float, default=120.0,
-                    help="-dpb ray: seconds to wait for the cluster to place every engine's stages")
+    dp.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=None,
+                    help="seconds to wait for the cluster to place every engine's stages (default {default})")
     http = p.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1")
     http.add_argument("--port", type=int, default=8000)

@@ -46,9 +46,7 @@ def engine_config(args: argparse.Namespace):
             raise ValueError("-dpb ray runs every engine's stages as Ray actors; --distributed-executor-backend uni "
                              "is for -dpb mp (engines as local processes)")
         backend = "ray"
-    return engine_config_from_args(
-        args, distributed_executor_backend=backend, placement_timeout_s=args.placement_timeout
-    )
+    return engine_config_from_args(args, distributed_executor_backend=backend)
 
 
 def check_args(args: argparse.Namespace) -> None:
