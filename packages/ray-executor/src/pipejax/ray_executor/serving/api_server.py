@@ -35,7 +35,7 @@ from pipejax.ray_executor.serving.openai_protocol import (
     CompletionRequest,
     error_body,
 )
-from pipejax.ray_executor.serving.tools import ToolChoice
+from pipejax.ray_executor.serving.tools import ToolChoice, ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,6 @@ def build_app(config: FrontendConfig) -> FastAPI:
         arrival = time.monotonic()
         frontend.check_model(body.model)
         tools = ToolChoice(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if tools.active and body.stream:
-            raise APIError(400, "streaming a chat completion that may call tools is not supported by pipejax yet; "
-                                "set stream=false or tool_choice='none'", param="stream")
         prompt = frontend.chat_prompt_ids([m.for_template() for m in body.messages], tools.template_tools(body.tools))
         max_tokens = body.requested_max_tokens()
         frontend.check_prompts([prompt], max_tokens)
@@ -112,7 +109,7 @@ def build_app(config: FrontendConfig) -> FastAPI:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": config.served_model_name}
         usage = _Usage([prompt])
         if body.stream:
-            return SSEResponse(_chat_events(frontend, choices, head, body, usage))
+            return SSEResponse(_chat_events(frontend, choices, head, body, usage, tools))
         done = await _unless_disconnected(raw, frontend.collect(choices, body.n))
         out = []
         for c in done:
@@ -226,7 +223,8 @@ async def _events(choices: AsyncIterator[Choice], body, make_chunk, head, usage:
             seen[choice.index] = choice
             text, first_token, finish_now = _take_delta(choice, holdback)
             if text or finish_now or first_token < len(choice.token_ids):
-                yield _sse(make_chunk(choice, text, first_token, finish_now))
+                for chunk in make_chunk(choice, text, first_token, finish_now):
+                    yield _sse(chunk)
         if usage is not None and body.include_usage:
             yield _sse({**head, "choices": [], "usage": usage.of(seen.values())})
     except (RequestFailed, APIError) as exc:
@@ -238,21 +236,32 @@ async def _events(choices: AsyncIterator[Choice], body, make_chunk, head, usage:
 def _completion_events(frontend: Frontend, choices, head, body: CompletionRequest, usage: _Usage):
     head = {**head, "object": "text_completion"}
 
-    def chunk(c: Choice, text: str, first_token: int, finish_now: bool) -> dict:
+    def chunk(c: Choice, text: str, first_token: int, finish_now: bool) -> list[dict]:
         logprobs = _completion_logprobs(frontend, c, first_token) if body.logprobs is not None else None
-        return {**head, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                     "finish_reason": c.finish_reason if finish_now else None}]}
+        return [{**head, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
+                                      "finish_reason": c.finish_reason if finish_now else None}]}]
 
     return _events(choices, body, chunk, head, usage)
 
 
-def _chat_events(frontend: Frontend, choices, head, body: ChatCompletionRequest, usage: _Usage):
+def _chat_events(frontend: Frontend, choices, head, body: ChatCompletionRequest, usage: _Usage, tools: ToolChoice):
     head = {**head, "object": "chat.completion.chunk"}
+    streams = {i: ToolStream(tools) for i in range(body.n)} if tools.active else None
 
-    def chunk(c: Choice, text: str, first_token: int, finish_now: bool) -> dict:
+    def chunk(c: Choice, text: str, first_token: int, finish_now: bool) -> list[dict]:
         logprobs = _chat_logprobs(frontend, c, first_token) if body.logprobs else None
-        return {**head, "choices": [{"index": c.index, "delta": {"content": text} if text else {},
-                                     "logprobs": logprobs, "finish_reason": c.finish_reason if finish_now else None}]}
+        finish_reason = c.finish_reason if finish_now else None
+        if streams is None:
+            deltas = [{"content": text}] if text else []
+        else:  # tool calls: the text read back into content and tool_calls deltas
+            deltas = streams[c.index].feed(text)
+            if finish_now:
+                last, finish_reason = streams[c.index].finish(c.finish_reason)
+                deltas += last
+        deltas = deltas or [{}]
+        return [{**head, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                                      "finish_reason": finish_reason if i == len(deltas) - 1 else None}]}
+                for i, delta in enumerate(deltas)]
 
     roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                    "finish_reason": None}]} for i in range(body.n)]

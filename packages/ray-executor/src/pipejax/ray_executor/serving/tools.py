@@ -10,6 +10,8 @@
   tool calls and the text around them the content; finish reason "tool_calls" when there is one;
 - "none": the tools are not rendered and the model answers in text.
 
+Streamed (``stream=true``), the same answer arrives as ``tool_calls`` deltas (``ToolStream``).
+
 The chat template renders ``tools``; a template that never reads them is refused (400), since the model would
 not know the tools it is asked to call.
 """
@@ -24,6 +26,7 @@ from typing import Any
 from pipejax.ray_executor.serving.openai_protocol import APIError
 from pipejax.runner.batch import StructuredOutputs
 
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -96,6 +99,84 @@ class ToolChoice:
         return _message(text, []), finish_reason
 
 
+class ToolStream:
+    """One choice's answer streamed as OpenAI streams tool calls: each piece of text becomes ``delta``s of
+    ``content`` and of ``tool_calls`` (read back as ``ToolChoice.message`` reads the whole answer).
+
+    - a named function: its arguments stream as they are written, after a first delta naming the call;
+    - "required": the array is read once whole, at the end (a partial call is not a call yet), one delta per call;
+    - "auto": text streams as content, except what may be the start of ``<tool_call>``, held until it is not;
+      a whole ``<tool_call>…</tool_call>`` becomes one delta with the call (or, not a call, the text as it was).
+    """
+
+    def __init__(self, tools: ToolChoice):
+        self.tools = tools
+        self.pending = ""  # text read but not yet streamed
+        self.in_call = False  # "auto": inside <tool_call>
+        self.calls = 0  # tool calls streamed
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The deltas ``text`` (the answer's next piece) streams now."""
+        mode = self.tools.mode
+        if mode == "named":
+            if not text:
+                return []
+            delta = {"index": 0, "function": {"arguments": text}}
+            if not self.calls:
+                self.calls = 1
+                delta = _call(0, self.tools.named, text)
+            return [{"tool_calls": [delta]}]
+        self.pending += text
+        return self._auto() if mode == "auto" else [] if mode == "required" else self._content(len(self.pending))
+
+    def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """The last deltas once the answer is whole, and the finish reason to report."""
+        if self.tools.mode == "required":
+            message, reason = self.tools.message(self.pending, finish_reason)
+            self.pending = ""
+            calls = message.get("tool_calls") or []
+            if not calls:
+                return [{"content": message["content"]}] if message["content"] else [], reason
+            return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)], reason
+        if self.in_call:  # cut short inside a call: the text as it was
+            self.pending, self.in_call = CALL_OPEN + self.pending, False
+        deltas = self._content(len(self.pending))
+        return deltas, "tool_calls" if self.calls and self.tools.mode == "auto" else finish_reason
+
+    def _auto(self) -> list[dict[str, Any]]:
+        deltas = []
+        while True:
+            if not self.in_call:
+                at = self.pending.find(CALL_OPEN)
+                if at < 0:  # keep back a tail that may be the start of <tool_call>
+                    keep = next((n for n in range(len(CALL_OPEN) - 1, 0, -1) if self.pending.endswith(CALL_OPEN[:n])),
+                                0)
+                    return deltas + self._content(len(self.pending) - keep)
+                deltas += self._content(at)
+                self.pending, self.in_call = self.pending[len(CALL_OPEN):], True
+            else:
+                end = self.pending.find(CALL_CLOSE)
+                if end < 0:
+                    return deltas
+                raw, self.pending, self.in_call = self.pending[:end], self.pending[end + len(CALL_CLOSE):], False
+                call = _json_or_none(raw.strip())
+                if isinstance(call, dict) and call.get("name") in self.tools.functions:
+                    arguments = json.dumps(call.get("arguments", {}))
+                    deltas.append({"tool_calls": [_call(self.calls, call["name"], arguments)]})
+                    self.calls += 1
+                else:
+                    deltas.append({"content": CALL_OPEN + raw + CALL_CLOSE})
+
+    def _content(self, upto: int) -> list[dict[str, Any]]:
+        text, self.pending = self.pending[:upto], self.pending[upto:]
+        return [{"content": text}] if text else []
+
+
+def _call(index: int, name: str, arguments: str) -> dict[str, Any]:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
@@ -106,6 +187,6 @@ def _json_or_none(text: str) -> Any:
 def _message(content: str | None, calls: list[tuple[str, str]]) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+        message["tool_calls"] = [{k: v for k, v in _call(i, name, arguments).items() if k != "index"}
+                                 for i, (name, arguments) in enumerate(calls)]
     return message
