@@ -15,7 +15,8 @@ from hf_oracle import make_hf_checkpoint
 from pipejax.pp_utils import logical_sharding, stage_mesh
 from pipejax.runner import checkpoint
 from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.model import DENSE_WEIGHTS, RULES, Panels, panel_spec, param_specs
+from pipejax.runner.model import RULES, panel_spec, param_specs
+from pipejax.runner.panels import DENSE_WEIGHTS, Panels
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The CPU dense-matmul kernel (an XLA FFI custom call compiled by numba) and ``model.dense`` over weights in
+"""The CPU dense-matmul kernel (an XLA FFI custom call compiled by numba) and ``panels.dense`` over weights in
 panels, against numpy's matmul of the same weight in its own layout."""
 
 import functools
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipejax.runner.cpu import dense as cpu_dense
-from pipejax.runner.model import PANEL, Panels, dense
+from pipejax.runner.panels import PANEL, Panels, dense
 
 
 def _in_panels(w: np.ndarray, contracted: int) -> np.ndarray:

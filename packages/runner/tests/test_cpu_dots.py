@@ -9,7 +9,7 @@ import pytest
 
 from pipejax.pp_utils import stage_mesh
 from pipejax.runner.cpu import dots as cpu_dots
-from pipejax.runner.model import StepShape
+from pipejax.runner.step_inputs import StepShape
 
 
 def test_the_compiler_option_turns_ynnpack_dots_off():

@@ -5,7 +5,7 @@ import pytest
 
 from pipejax.runner.batch import ModelBatch, ScheduledRequest
 from pipejax.runner.inputs import MIN_PREFILL_SLOTS, Buckets, build_step_inputs
-from pipejax.runner.model import StepShape
+from pipejax.runner.step_inputs import StepShape
 
 BLOCK = 16
 BUCKETS = Buckets.make(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=1024, block_size=BLOCK)

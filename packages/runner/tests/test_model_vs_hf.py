@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hf_oracle import ARCHS, ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
 
-from pipejax.runner.model import Panels
+from pipejax.runner.panels import Panels
 
 # pp x tp <= 8 on 8 simulated devices; pp=3 uses an explicit uneven partition of the 6 layers.
 LAYOUTS = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (3, 1), (3, 2), (4, 1), (4, 2)]

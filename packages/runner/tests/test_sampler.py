@@ -292,7 +292,8 @@ def test_logits_adjustment_is_vllms_per_row():
     """Each row shaped as vLLM would, rows that ask nothing untouched, padding rows dropped; a batch where no row
     asks builds nothing (the plain sampler program runs)."""
     from pipejax.runner.batch import ScheduledRequest
-    from pipejax.runner.sampler import LogitsAdjustment, _adjust
+    from pipejax.runner.logits_adjustment import LogitsAdjustment
+    from pipejax.runner.logits_adjustment import adjust_logits as _adjust
 
     vocab = 64
     plain = ScheduledRequest("plain", (1,), 0, (1,), GREEDY)
@@ -322,7 +323,8 @@ def test_token_bitmask_limits_only_its_row():
     """A structured output's bitmask (vLLM's layout: bit t % 32 of i32 word t // 32) leaves exactly its tokens to
     its row, tokens past the mask's words are refused, and rows without a mask keep their logits."""
     from pipejax.runner.batch import ScheduledRequest
-    from pipejax.runner.sampler import LogitsAdjustment, _adjust
+    from pipejax.runner.logits_adjustment import LogitsAdjustment
+    from pipejax.runner.logits_adjustment import adjust_logits as _adjust
 
     vocab = 70  # three words, the last one partial
     allowed = {0, 5, 31, 32, 63}  # the mask covers two words: 64..69 lie past it

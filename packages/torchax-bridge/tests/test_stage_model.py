@@ -17,8 +17,8 @@ from pipejax.pp_utils import stage_meshes
 from pipejax.runner.checkpoint import SafetensorsIndex
 from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
 from pipejax.runner.inputs import build_step_inputs
-from pipejax.runner.model import StepInputs
 from pipejax.runner.runner import StageRunner
+from pipejax.runner.step_inputs import StepInputs
 from pipejax.torchax_bridge import TorchStageParams, build_stage_module, load_stage_params, stage_hf_config
 
 

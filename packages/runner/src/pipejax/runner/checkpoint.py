@@ -6,12 +6,11 @@ chunks of at most ``CHUNK_BYTES``; every chunk is converted to the runner's layo
 the parameter's per-device shards, and its pages are released before the next is read. So no
 process ever holds the full model, nor any tensor twice: besides the stage's own parameters, a
 load holds one chunk (on the CPU backend the filled shard buffers become the device buffers). On float32
-CPU stages the dense weights are written straight into panels (``model.Panels``), chunk by chunk, too.
+CPU stages the dense weights are written straight into panels (``panels.Panels``), chunk by chunk, too.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 from collections.abc import Callable, Iterator
@@ -26,110 +25,13 @@ from jax.sharding import Mesh
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import CheckpointError
-from pipejax.runner.model import (
-    DENSE_WEIGHTS,
-    LAYER_PREFIX,
-    PANEL,
-    RULES,
-    Panels,
-    kv_heads_for_tp,
-    panel_spec,
-    param_specs,
-)
+from pipejax.runner.model import LAYER_PREFIX, RULES, kv_heads_for_tp, panel_spec, param_specs
+from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, panel_shape
+from pipejax.runner.safetensors_file import SafetensorsIndex
 
 __all__ = ["CheckpointError", "SafetensorsIndex", "load_stage_params", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
-
-
-SAFETENSORS_DTYPES = {
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F64": np.dtype(np.float64),
-}
-
-
-class SafetensorsIndex:
-    """Name -> tensor for a single-file or sharded (``model.safetensors.index.json``) checkpoint.
-
-    Tensors are zero-copy views into memory-mapped files (the safetensors layout: an 8-byte
-    header length, a JSON header with dtype/shape/offsets, then the raw data). ``release`` hands a
-    tensor's pages (or some of its rows' pages) back to the OS once they have been copied, so a
-    loading process never holds more of the checkpoint than the chunk it is working on.
-    """
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        index_file = self.path / "model.safetensors.index.json"
-        if index_file.is_file():
-            files = sorted({self.path / f for f in json.loads(index_file.read_text())["weight_map"].values()})
-        else:
-            files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(
-                f"no *.safetensors files in {str(self.path)!r}; pipejax loads Hugging Face safetensors "
-                f"checkpoints (convert .bin weights with transformers' save_pretrained)"
-            )
-        self._maps: list[mmap.mmap] = []
-        self.entries: dict[str, tuple[mmap.mmap, str, dict]] = {}
-        for file in files:
-            with open(file, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(header_len))
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps.append(mapped)
-            header.pop("__metadata__", None)
-            for name, meta in header.items():
-                meta["data_start"] = 8 + header_len + meta["data_offsets"][0]
-                self.entries[name] = (mapped, file.name, meta)
-
-    def __enter__(self) -> SafetensorsIndex:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mapped in self._maps:
-            try:
-                mapped.close()
-            except BufferError:  # a caller still holds a view; the map closes when that view is freed
-                pass
-        self._maps.clear()
-
-    def read(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
-        """A read-only view of ``name``, checked against ``expected_shape``."""
-        if name not in self.entries:
-            raise CheckpointError(
-                f"tensor {name!r} (expected shape {list(expected_shape)}) is missing from the checkpoint in "
-                f"{str(self.path)!r}; is config.json from the same model as the weights?"
-            )
-        mapped, file_name, meta = self.entries[name]
-        shape = tuple(meta["shape"])
-        if shape != tuple(expected_shape):
-            raise CheckpointError(
-                f"tensor {name!r} in {file_name} has shape {list(shape)} but the config implies "
-                f"{list(expected_shape)}; is config.json from the same model as the weights?"
-            )
-        if meta["dtype"] not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"tensor {name!r} has dtype {meta['dtype']}; supported: {sorted(SAFETENSORS_DTYPES)}")
-        dtype = SAFETENSORS_DTYPES[meta["dtype"]]
-        count = int(np.prod(shape)) if shape else 1
-        return np.frombuffer(mapped, dtype, count, meta["data_start"]).reshape(shape)
-
-    def read_all(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
-        """The whole tensor (a read-only view)."""
-        return self.read(name, expected_shape)
-
-    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        """Drop the pages of ``name`` (or of its rows ``[r0, r1)`` along the first axis) from this
-        process; they stay in the OS page cache."""
-        mapped, _, meta = self.entries[name]
-        first = meta["data_start"]
-        nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
-        if rows is not None and meta["shape"]:
-            row_bytes = nbytes // max(1, meta["shape"][0])
-            first, nbytes = first + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
-        start = first // mmap.PAGESIZE * mmap.PAGESIZE
-        mapped.madvise(mmap.MADV_DONTNEED, start, max(0, first + nbytes - start))
 
 
 # A converter turns rows [r0, r1) of a checkpoint tensor into (where they go in the runner's
@@ -139,7 +41,7 @@ Converter = Callable[[np.ndarray, int, int], tuple[tuple[slice, ...], np.ndarray
 
 def _panel_rows(n: int) -> int:
     """Rows per chunk unit of an HF tensor whose rows become a weight's last output dim: whole panels
-    (``model.PANEL``) where they can be, so that a chunk lands on whole panels."""
+    (``panels.PANEL``) where they can be, so that a chunk lands on whole panels."""
     return PANEL if n % PANEL == 0 else 1
 
 
@@ -286,15 +188,10 @@ def _bounds(where: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int,
     return [(where[d] if d < len(where) else slice(None)).indices(n)[:2] for d, n in enumerate(shape)]
 
 
-def _panel_shape(shape: tuple[int, ...], lead: int, contracted: int) -> tuple[int, ...]:
-    """A dense weight's shape [*lead, *in, *out] in panels: [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL]."""
-    ins, outs = shape[lead : lead + contracted], shape[lead + contracted :]
-    return (*shape[:lead], *outs[:-1], outs[-1] // PANEL, *ins, PANEL)
-
-
 def _logical_view(panels: np.ndarray, lead: int, contracted: int) -> np.ndarray:
-    """``panels`` (``_panel_shape``) viewed as [*lead, *in, *out[:-1], out[-1] / PANEL, PANEL]: the weight's own
-    layout with its last dim split in panels, so that a piece of the weight is written where it belongs."""
+    """``panels`` (shaped as ``panels.panel_shape`` says) viewed as [*lead, *in, *out[:-1], out[-1] / PANEL,
+    PANEL]: the weight's own layout with its last dim split in panels, so that a piece of the weight is written
+    where it belongs."""
     outs = panels.ndim - lead - contracted - 1
     ins = range(lead + outs, lead + outs + contracted)
     return panels.transpose((*range(lead), *ins, *range(lead, lead + outs), panels.ndim - 1))
@@ -312,7 +209,7 @@ def _place(
 
     Each device's shard is filled in a host buffer and then handed to the device: on CPU that
     buffer becomes the device buffer (no copy), elsewhere it is copied and dropped. ``panels``: (lead dims,
-    contracted dims, the panel layout's sharding) of a dense weight to store in panels (``model.Panels``): each
+    contracted dims, the panel layout's sharding) of a dense weight to store in panels (``panels.Panels``): each
     shard is filled straight into that layout.
     """
     indices = sharding.addressable_devices_indices_map(shape)
@@ -323,7 +220,7 @@ def _place(
         targets = buffers
     else:
         lead, contracted, _ = panels
-        buffers = {device: _page_aligned_empty(_panel_shape(s, lead, contracted), dtype) for device, s in local.items()}
+        buffers = {device: _page_aligned_empty(panel_shape(s, lead, contracted), dtype) for device, s in local.items()}
         targets = {device: _logical_view(b, lead, contracted) for device, b in buffers.items()}
     filled = dict.fromkeys(shards, 0)
     for where, values in pieces:
@@ -349,7 +246,7 @@ def _place(
     arrays = [jax.device_put(buffer, device, may_alias=True) for device, buffer in buffers.items()]
     del buffers, targets
     if panels is not None:
-        shape, sharding = _panel_shape(shape, panels[0], panels[1]), panels[2]
+        shape, sharding = panel_shape(shape, panels[0], panels[1]), panels[2]
     out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
     out.block_until_ready()
     return out
@@ -387,7 +284,7 @@ def load_stage_params(
     path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh, panels: bool | None = None
 ) -> dict[str, jax.Array | Panels]:
     """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis). ``panels``: store the dense
-    weights in panels (``model.Panels``); None: where ``use_panels`` says so."""
+    weights in panels (``panels.Panels``); None: where ``use_panels`` says so."""
     tp = mesh.shape["tp"]
     specs = param_specs(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)

@@ -1,4 +1,4 @@
-"""The error of a checkpoint that cannot be loaded, shared by its readers (safetensors in ``checkpoint.py``,
+"""The error of a checkpoint that cannot be loaded, shared by its readers (safetensors in ``safetensors_file.py``,
 GGUF in ``gguf_file.py``): a module of its own, so the two readers import it and not each other."""
 
 

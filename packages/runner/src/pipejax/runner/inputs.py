@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from pipejax.runner.batch import ModelBatch
-from pipejax.runner.model import StepInputs, StepShape
+from pipejax.runner.step_inputs import StepInputs, StepShape
 
 MIN_PREFILL_SLOTS = 512  # prefill rows x query slots a step pads up to (see Buckets.shape_of)
 

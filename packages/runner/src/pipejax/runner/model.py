@@ -1,5 +1,7 @@
 """One pipeline stage of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), read top to bottom:
-sharding rules -> parameter specs -> building blocks -> paged attention -> stage forward.
+sharding rules -> parameter specs -> building blocks -> paged attention -> stage forward. The step's shape and
+inputs are in ``step_inputs``, the dense weights (in panels or not) and their matmul in ``panels``, rotary
+embeddings in ``rope``.
 
 Shapes: T tokens of one ragged step (padded), R request rows (padded: P prefill rows, then Rd
 decode rows), Q the longest prefill query (padded), C = blocks per row x block size (context
@@ -15,10 +17,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import ModelConfig, StageConfig
+from pipejax.runner.panels import PANEL, Panels, dense, outputs_first, panel_shape
+from pipejax.runner.rope import RopeTables, apply_rope, rope_inv_freq, rope_tables
+from pipejax.runner.step_inputs import StepInputs, StepShape
 
 # --- sharding: logical axes -> the stage mesh's "tp" axis -------------------------------------
 # Column-parallel q/k/v/gate/up (heads, mlp), row-parallel o/down, vocab-parallel embedding and
@@ -32,47 +36,13 @@ class ParamSpec:
     logical_axes: tuple[str | None, ...]
 
 
-# --- dense weights in panels (CPU) ------------------------------------------------------------
-# On CPU stages the dense weights are stored in panels of PANEL output columns: a weight [*lead, *in, *out]
-# as [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL], so that a matmul streams each panel's columns for
-# every input row from contiguous memory (``cpu.dense_kernel``): at a decode step's few rows far faster than
-# XLA's dot reads a row-major weight, and at a prefill's many rows a little faster.
-PANEL = 32
-# The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
-DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
-
-
-@jax.tree_util.register_pytree_node_class
-class Panels:
-    """A dense weight stored in panels (see PANEL); ``data`` is the array. A pytree node, so a layer scan or
-    per-layer views slice ``data`` as they would the weight itself. With ``layer`` (a scalar index), ``data`` is
-    every layer's [L, ...] and the weight is layer ``layer`` of them: the layer scan hands the dense kernel the
-    whole stack and the index, as XLA would copy a dynamic slice of it into the kernel's own buffer."""
-
-    def __init__(self, data: jax.Array, layer: jax.Array | None = None):
-        self.data, self.layer = data, layer
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.nbytes
-
-    def tree_flatten(self):
-        return (self.data, self.layer), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*children)
-
-
 def panel_spec(spec: ParamSpec, lead: int, contracted: int) -> ParamSpec | None:
     """``spec`` of a dense weight ([*lead, *in, *out]: ``lead`` leading dims, ``contracted`` input dims) as
-    panels, or None where its last output dim is not a whole number of panels."""
-    shape, axes = spec.shape, spec.logical_axes
-    if shape[-1] % PANEL:
+    panels (``panels.panel_shape``), or None where its last output dim is not a whole number of panels."""
+    if spec.shape[-1] % PANEL:
         return None
-    ins, outs = slice(lead, lead + contracted), slice(lead + contracted, None)
-    return ParamSpec((*shape[:lead], *shape[outs][:-1], shape[-1] // PANEL, *shape[ins], PANEL),
-                     (*axes[:lead], *axes[outs], *axes[ins], None))
+    return ParamSpec(panel_shape(spec.shape, lead, contracted),
+                     (*outputs_first(spec.logical_axes, lead, contracted), None))
 
 
 def kv_heads_for_tp(cfg: ModelConfig, tp: int) -> int:
@@ -147,46 +117,6 @@ def stacked_layers(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {name.removeprefix(LAYER_PREFIX): w for name, w in params.items() if name.startswith(LAYER_PREFIX)}
 
 
-class StepShape(NamedTuple):
-    """The padded shape of one step (static: each distinct value compiles once).
-
-    Attention rows come in two groups: ``prefill_rows`` rows whose query is padded to ``query``
-    tokens (dense attention), then ``decode_rows`` rows of exactly one query token (attention that
-    streams the paged K/V once). A decode row in a mixed step is not padded to the longest chunk.
-    """
-
-    tokens: int  # T
-    prefill_rows: int  # P (0: no prefill rows)
-    query: int  # Q: the longest prefill query (1 when P == 0)
-    decode_rows: int  # Rd (0: no decode rows)
-    blocks: int  # B: block-table columns per row
-    # Bp: the columns a prefill row reads when its context needs fewer than B (0: all B). In a mixed step B is set
-    # by the decode rows' longer contexts; the prefill group's dense attention then scores only Bp blocks (the
-    # benchmark's 16 x 128-token prefills beside 64 decode rows: 8 blocks, not 12).
-    prefill_blocks: int = 0
-
-    @property
-    def rows(self) -> int:
-        """Attention rows, and the rows the LM head and the sampler run on (P + Rd)."""
-        return self.prefill_rows + self.decode_rows
-
-
-class StepInputs(NamedTuple):
-    """Device arrays describing one padded ragged step (built by ``inputs.py``). Rows [0, P) are the
-    prefill group, rows [P, P + Rd) the decode group; ``sample_index`` is in the batch's request order."""
-
-    token_ids: jax.Array  # [T] int32
-    positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32: cache slot each token's K/V is written to (padding -> slot 0)
-    token_out: jax.Array  # [T] int32: the token's index in the attention output [P * Q + Rd]
-    row_query_start: jax.Array  # [P + Rd] int32: flat index of the row's first query slot (see below)
-    row_start_pos: jax.Array  # [P + Rd] int32: position of the row's first query slot this step
-    # A prefill row is right-aligned in its Q query slots (its last token in slot Q - 1), so for a row of
-    # n < Q tokens both fields point n - Q before its first token (negative values are padding slots).
-    block_tables: jax.Array  # [P + Rd, B] int32 (padding -> block 0)
-    sample_index: jax.Array  # [P + Rd] int32: flat index of request i's last token (logits are taken there)
-
-
 # --- building blocks ---------------------------------------------------------------------------
 
 
@@ -195,45 +125,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x = x.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
     return weight * x.astype(dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [D/2], with Llama 3 scaling when configured (computed on the host in fp32)."""
-    D, rope = cfg.head_dim, cfg.rope
-    inv_freq = 1.0 / (rope.theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
-    if rope.kind == "llama3":
-        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
-        wavelen = 2 * np.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) / rope.factor * scaled + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
-
-
-class RopeTables(NamedTuple):
-    """cos and signed sin [T, 1, D] of the step's positions, computed once per step: in the unrolled decode layers
-    XLA:CPU fused a cos of [T, D] into each [T, H, D] consumer, computing it again for every head of every layer."""
-
-    cos: jax.Array
-    sin: jax.Array  # -sin on the first half of D, +sin on the second: rotate-half's sign folded in
-
-
-def rope_tables(positions: jax.Array, inv_freq: jax.Array, dtype) -> RopeTables:
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    return RopeTables(jnp.concatenate([cos, cos], axis=-1).astype(dtype)[:, None, :],
-                      jnp.concatenate([-sin, sin], axis=-1).astype(dtype)[:, None, :])
-
-
-def apply_rope(x: jax.Array, rope: RopeTables) -> jax.Array:
-    """x [T, N, D] rotated (half-split layout, as Hugging Face): x * cos + swap_halves(x) * signed sin."""
-    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)
-    return x * rope.cos + swapped * rope.sin
 
 
 class Kernels(NamedTuple):
@@ -248,40 +139,9 @@ class Kernels(NamedTuple):
 NO_KERNELS = Kernels()
 
 
-def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
-          gated: bool = False, residual: jax.Array | None = None) -> jax.Array:
-    """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
-    with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``Kernels.dense``), used for weights in
-    panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result silu(gate) * up [T, *rest].
-    ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place)."""
-    if not isinstance(w, Panels):
-        y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
-        y = _silu_and_multiply(y) if gated else y
-        return y if residual is None else residual + y
-    data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL], or [L, ...] of those with ``w.layer``
-    outs = data.shape[int(w.layer is not None): data.ndim - contracted - 1]
-    out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
-    if kernel is not None:
-        flat = x.reshape(x.shape[0], -1)  # [T, Kc]
-        layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
-        flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
-        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual)
-        return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
-    if w.layer is not None:
-        data = data[w.layer]
-    ins = tuple(range(len(outs), len(outs) + contracted))
-    y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
-    y = _silu_and_multiply(y.reshape(out_shape)) if gated else y.reshape(out_shape)
-    return y if residual is None else residual + y
-
-
-def _silu_and_multiply(gate_up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-
-
 def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, dense_kernel: Callable | None = None) -> jax.Array:
     """residual + the MLP of x (both [T, E])."""
-    act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # silu(gate) * up [T, F]
+    act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # swiglu(gate, up) [T, F]
     return dense(act, p["down"], 1, dense_kernel, residual=residual)
 
 

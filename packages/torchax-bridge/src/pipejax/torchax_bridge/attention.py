@@ -21,7 +21,8 @@ import torch
 from torchax.interop import jax_view, torch_view
 from transformers import AttentionInterface
 
-from pipejax.runner.model import StepInputs, StepShape, paged_attention
+from pipejax.runner.model import paged_attention
+from pipejax.runner.step_inputs import StepInputs, StepShape
 
 ATTENTION_NAME = "pipejax_paged"
 

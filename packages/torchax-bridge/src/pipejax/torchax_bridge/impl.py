@@ -28,8 +28,9 @@ from pipejax.pp_utils import logical_sharding
 from pipejax.runner import gguf_file
 from pipejax.runner.checkpoint import open_checkpoint
 from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.model import RULES, StepInputs, StepShape
+from pipejax.runner.model import RULES
 from pipejax.runner.model_impl import ModelImpl
+from pipejax.runner.step_inputs import StepInputs, StepShape
 from pipejax.torchax_bridge.attention import PagedKV
 from pipejax.torchax_bridge.stage_model import build_stage_module, stage_hf_config, stage_param_specs
 

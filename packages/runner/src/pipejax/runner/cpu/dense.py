@@ -1,5 +1,5 @@
 """Dense matmuls of a CPU stage as a hand-written kernel: an XLA FFI custom call compiled by numba
-(``cpu_dense_kernel``), over weights stored in panels (``model.Panels``).
+(``cpu_dense_kernel``), over weights stored in panels (``panels.Panels``).
 
 At a decode step's few rows XLA:CPU's dot runs well below its square-matmul rate, and the step is mostly its
 dense matmuls. The kernel reads each panel of a weight as one contiguous stream and keeps every output tile
@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pipejax.runner.cpu.build import build_and_register
+from pipejax.runner.panels import swiglu
 
 KERNEL = "pipejax.runner.cpu.dense_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_panel_matmul"
@@ -63,7 +64,7 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
         raise ValueError("a gated matmul takes no residual")
     if _handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32:
         y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
-        y = jax.nn.silu(y[:, : n // 2]) * y[:, n // 2:] if gated else y
+        y = swiglu(y[:, : n // 2], y[:, n // 2:]) if gated else y
         return y if residual is None else residual + y
     layer = jnp.asarray(layer, jnp.int32)
     if residual is not None:

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from pipejax.runner.model import StepShape
+from pipejax.runner.panels import swiglu
+from pipejax.runner.step_inputs import StepShape
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def measured_choice() -> str:
     gate, up = (jax.device_put(jnp.full((_PROBE_HIDDEN, _PROBE_MLP), v, jnp.float32), device) for v in (0.02, 0.03))
 
     def mlp_dots(x, gate, up):
-        return jax.nn.silu(x @ gate) * (x @ up)
+        return swiglu(x @ gate, x @ up)
 
     variants = {"ynnpack": jax.jit(mlp_dots), "eigen": jax.jit(mlp_dots, compiler_options=WITHOUT_YNNPACK)}
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipejax.runner.model import LAYER_PREFIX, Panels, stacked_layers
+from pipejax.runner.model import LAYER_PREFIX, stacked_layers
+from pipejax.runner.panels import Panels
 
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
 # bytes the CPU backend needs to adopt it); a larger one that is not aliased is an error, not a second copy.

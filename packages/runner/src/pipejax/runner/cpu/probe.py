@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipejax.runner.config import ModelConfig
-from pipejax.runner.model import PANEL, decode_attention, kv_heads_for_tp, prefill_attention
+from pipejax.runner.model import decode_attention, kv_heads_for_tp, prefill_attention
+from pipejax.runner.panels import PANEL, swiglu
 
 ROUNDS = 5
 DECODE_CONTEXT = 256  # tokens each decode row attends to in the probe (capped by max_model_len)
@@ -55,7 +56,7 @@ def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
         x, w = _random(rng, (rows, E), 1.0), _random(rng, (E, 2 * F))
         panels = jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(E, -1, PANEL).transpose(1, 0, 2)))[None]
         kernel = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True))
-        xla = jax.jit(lambda x, w: jax.nn.silu(x @ w[:, :F]) * (x @ w[:, F:]))
+        xla = jax.jit(lambda x, w: swiglu(x @ w[:, :F], x @ w[:, F:]))
         return alternated_ms({"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w)})
 
 

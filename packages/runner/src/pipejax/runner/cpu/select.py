@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from pipejax.runner.config import ModelConfig, SchedulerConfig
 from pipejax.runner.cpu import dots, probe
-from pipejax.runner.model import PANEL, Kernels
+from pipejax.runner.model import Kernels
+from pipejax.runner.panels import PANEL
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,85 @@
+"""Dense weights and the dense op over them: ``dense`` multiplies by a weight in its own layout [*in, *out] or
+stored in panels (``Panels``).
+
+On CPU stages the dense weights are stored in panels of PANEL output columns: a weight [*lead, *in, *out]
+as [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL], so that a matmul streams each panel's columns for
+every input row from contiguous memory (``cpu.dense_kernel``): at a decode step's few rows far faster than
+XLA's dot reads a row-major weight, and at a prefill's many rows a little faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+PANEL = 32
+# The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
+DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
+
+
+def outputs_first(dims: tuple, lead: int, contracted: int) -> tuple:
+    """Per-dimension values (sizes, logical axes) of a dense weight [*lead, *in, *out] in the order its panels
+    keep them: [*lead, *out, *in]."""
+    return (*dims[:lead], *dims[lead + contracted:], *dims[lead:lead + contracted])
+
+
+def panel_shape(shape: tuple[int, ...], lead: int, contracted: int) -> tuple[int, ...]:
+    """A dense weight's shape [*lead, *in, *out] in panels: [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL]."""
+    *lead_and_outs, last_out = outputs_first(shape, lead, contracted)[:len(shape) - contracted]
+    return (*lead_and_outs, last_out // PANEL, *shape[lead:lead + contracted], PANEL)
+
+
+@jax.tree_util.register_pytree_node_class
+class Panels:
+    """A dense weight stored in panels (see PANEL); ``data`` is the array. A pytree node, so a layer scan or
+    per-layer views slice ``data`` as they would the weight itself. With ``layer`` (a scalar index), ``data`` is
+    every layer's [L, ...] and the weight is layer ``layer`` of them: the layer scan hands the dense kernel the
+    whole stack and the index, as XLA would copy a dynamic slice of it into the kernel's own buffer."""
+
+    def __init__(self, data: jax.Array, layer: jax.Array | None = None):
+        self.data, self.layer = data, layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def tree_flatten(self):
+        return (self.data, self.layer), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated MLP's activation: silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
+          gated: bool = False, residual: jax.Array | None = None) -> jax.Array:
+    """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
+    with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``model.Kernels.dense``), used for weights
+    in panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result swiglu(gate, up) [T, *rest].
+    ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place)."""
+    if not isinstance(w, Panels):
+        y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
+        y = swiglu(y[:, 0], y[:, 1]) if gated else y
+        return y if residual is None else residual + y
+    data = w.data  # [*out[:-1], out[-1] / PANEL, *in, PANEL], or [L, ...] of those with ``w.layer``
+    outs = data.shape[int(w.layer is not None): data.ndim - contracted - 1]
+    out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
+    if kernel is not None:
+        flat = x.reshape(x.shape[0], -1)  # [T, Kc]
+        layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
+        flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
+        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual)
+        return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
+    if w.layer is not None:
+        data = data[w.layer]
+    ins = tuple(range(len(outs), len(outs) + contracted))
+    y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
+    y = y.reshape(out_shape)
+    y = swiglu(y[:, 0], y[:, 1]) if gated else y
+    return y if residual is None else residual + y
