@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import TP_AXIS
 from pipejax.runner.cpu.build import build_and_register
+from pipejax.runner.cpu.sharded import CACHE_SPEC, on_each_device
 from pipejax.runner.model import decode_attention
 
 KERNEL = "pipejax.runner.cpu.decode_kernel"  # the numba module that builds the handler
@@ -59,19 +60,11 @@ def usable(dtype, devices: list[jax.Device]) -> bool:
 
 
 def for_mesh(mesh: Mesh) -> Callable:
-    """The kernel for a stage on ``mesh``: called directly on one device; over ``tp`` devices each runs it on
-    its own heads (the cache is sharded over KV heads, the queries over heads, as the model shards them)."""
-    if mesh.devices.size == 1:
-        return paged_decode_attention
-    heads, kv_heads, rep = P(None, TP_AXIS, None), P(None, None, None, TP_AXIS, None), P()
-
-    def sharded(q_rows, k_cache, v_cache, layer, block_tables, start_pos, sliding_window):
-        local = functools.partial(paged_decode_attention, sliding_window=sliding_window)
-        return jax.shard_map(local, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, rep, rep, rep), out_specs=heads,
-                             check_vma=False)(q_rows, k_cache, v_cache, jnp.asarray(layer, jnp.int32), block_tables,
-                                              start_pos)
-
-    return sharded
+    """The kernel for a stage on ``mesh`` (``sharded.on_each_device``): over ``tp`` devices each runs it on its own
+    heads, the queries split over heads and the cache over KV heads as the model shards them; the rows' block
+    tables and positions whole on each, the sliding window static."""
+    heads = P(None, TP_AXIS, None)  # q_rows [R, H, D], and the result
+    return on_each_device(paged_decode_attention, mesh, (heads, CACHE_SPEC, CACHE_SPEC, P(), P(), P()), heads)
 
 
 def paged_decode_attention(q_rows, k_cache, v_cache, layer, block_tables, start_pos, sliding_window):
@@ -83,12 +76,5 @@ def paged_decode_attention(q_rows, k_cache, v_cache, layer, block_tables, start_
         return decode_attention(q_rows, k_cache[layer], v_cache[layer], rows, start_pos, block_tables,
                                 sliding_window or None)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32))
-    return call(
-        q_rows.astype(jnp.float32),
-        k_cache,
-        v_cache,
-        jnp.asarray(layer, jnp.int32),
-        block_tables.astype(jnp.int32),
-        start_pos.astype(jnp.int32),
-        jnp.int32(sliding_window or 0),
-    )
+    ints = (jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32), start_pos.astype(jnp.int32))
+    return call(q_rows.astype(jnp.float32), k_cache, v_cache, *ints, jnp.int32(sliding_window or 0))

@@ -1,7 +1,7 @@
 """The CPU dense-matmul kernel itself: numba code behind an XLA FFI handler (``cpu_dense`` is the JAX side).
 Imported only when a CPU stage first traces a step over weights in panels, like ``cpu_decode_kernel``.
 
-``x [M, Kc] @ w -> [M, N]`` for a weight stored in panels (``model.Panels``: [N / 32, Kc, 32], each panel's
+``x [M, Kc] @ w -> [M, N]`` for a weight stored in panels (``panels.Panels``: [N / 32, Kc, 32], each panel's
 32 output columns contiguous for every input row). The weight streams from memory in order, one panel at a
 time; each panel is read from L1/L2 by every tile of rows, whose 8 x 32 outputs stay in 16 AVX-512
 registers over the whole contraction (the microkernel below is LLVM IR: numba's own loops would keep them in
@@ -20,10 +20,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu.dense import ADD, GATED
-from pipejax.runner.cpu.ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
+from pipejax.runner.cpu.ffi import arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.isa import vector_lanes
 from pipejax.runner.cpu.vector_exp import exp_f32
-from pipejax.runner.model import PANEL
+from pipejax.runner.panels import PANEL
 
 LANES = vector_lanes()  # float32 lanes of the target's vector registers
 VECTORS = PANEL // LANES  # registers per row of a tile
@@ -154,10 +154,11 @@ GLU_ROWS = 128  # rows per block of the gated matmul: a block's gate and up tile
 
 
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
-def _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up):
-    """out[:, p * 32:][:32] = silu(x @ panel p) * (x @ panel p + half), ``half`` panels apart (gate, then up), in
-    blocks of GLU_ROWS rows; ``gate``/``up`` [GLU_ROWS, 32] scratch."""
-    panel = kc * PANEL * 4
+def _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up):
+    """out[:, p * 32:][:32] = silu(x @ panel p) * (x @ panel p + panels / 2) (gate, then up) in blocks of GLU_ROWS
+    rows; out [m, panels / 2 * 32]; ``gate``/``up`` [GLU_ROWS, 32] scratch."""
+    panel, half = kc * PANEL * 4, panels // 2
+    out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
     for b0 in range(0, m, GLU_ROWS):
         rows = min(GLU_ROWS, m - b0)
         rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + p * panel, gate.ctypes.data, PANEL, rows, kc)
@@ -168,25 +169,26 @@ def _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up):
                 o[c] = g[c] / (np.float32(1.0) + exp_f32(-g[c])) * u[c]
 
 
+@numba.njit(inline="always")
+def _glu_scratch():
+    return np.empty((GLU_ROWS, PANEL), np.float32), np.empty((GLU_ROWS, PANEL), np.float32)
+
+
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _glu(x_addr, w_addr, out_addr, m, kc, panels):
     """out [m, panels / 2 * 32] = silu(x @ gate) * (x @ up) for w [panels, kc, 32]: gate's panels, then up's; on
     the calling thread."""
-    half = panels // 2
-    out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
-    gate, up = np.empty((GLU_ROWS, PANEL), np.float32), np.empty((GLU_ROWS, PANEL), np.float32)
-    for p in range(half):
-        _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up)
+    gate, up = _glu_scratch()
+    for p in range(panels // 2):
+        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
 def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
     """The same with the panel pairs spread over numba's threads (TBB)."""
-    half = panels // 2
-    out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
-    for p in numba.prange(half):
-        gate, up = np.empty((GLU_ROWS, PANEL), np.float32), np.empty((GLU_ROWS, PANEL), np.float32)
-        _glu_panel(x_addr, kc, w_addr, out, p, half, m, gate, up)
+    for p in numba.prange(panels // 2):
+        gate, up = _glu_scratch()
+        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
 
 
 @intrinsic
@@ -205,37 +207,34 @@ def _operands(frame):
     args, rets = arguments(frame, 4)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
-    layer_data, _ = buffer(args, 2)
-    mode_data, _ = buffer(args, 3)
-    out_data, _ = buffer(rets, 0)
-    layer = numba.carray(layer_data, (1,), np.int32)[0]
-    w_addr = _addr(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
-    mode = numba.carray(mode_data, (1,), np.int32)[0]
-    return mode, (_addr(x_data), w_addr, _addr(out_data), x_dims[0], x_dims[1], w_dims[1])
+    w_addr = _addr(w_data) + scalar_i32(args, 2) * w_dims[1] * w_dims[2] * PANEL * 4
+    return scalar_i32(args, 3), _addr(x_data), w_addr, _addr(buffer(rets, 0)[0]), x_dims[0], x_dims[1], w_dims[1]
 
 
-def _handler(frame_addr):  # compiled by compile_handler; returns null: success
-    frame = frame_of(frame_addr)
-    if not answered(frame):
-        mode, operands = _operands(frame)
-        if mode == GATED:
-            _glu(*operands)
-        else:
-            _matmul(*operands, mode == ADD)
-    return ptr(0)
+@numba.njit(inline="always")
+def _by_mode(glu, matmul, mode, x_addr, w_addr, out_addr, m, kc, panels):
+    if mode == GATED:
+        glu(x_addr, w_addr, out_addr, m, kc, panels)
+    else:
+        matmul(x_addr, w_addr, out_addr, m, kc, panels, mode == ADD)
+
+
+@numba.njit
+def _dense(mode, x_addr, w_addr, out_addr, m, kc, panels):
+    _by_mode(_glu, _matmul, mode, x_addr, w_addr, out_addr, m, kc, panels)
+
+
+@numba.njit
+def _dense_parallel(mode, x_addr, w_addr, out_addr, m, kc, panels):
+    _by_mode(_glu_parallel, _matmul_parallel, mode, x_addr, w_addr, out_addr, m, kc, panels)
+
+
+def _handler(frame_addr):  # compiled by compile_handler
+    return serve(frame_addr, _operands, _dense)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
-    frame = frame_of(frame_addr)
-    if not answered(frame):
-        mode, operands = _operands(frame)
-        if mode == GATED:
-            _glu_parallel(*operands)
-        else:
-            _matmul_parallel(*operands, mode == ADD)
-    return ptr(0)
+    return serve(frame_addr, _operands, _dense_parallel)
 
 
-def compile_handler(parallel: bool = False):
-    """The handler compiled (``cpu_ffi.compile_cfunc``); ``parallel``: over numba's threads on TBB."""
-    return compile_cfunc(_handler_parallel if parallel else _handler, parallel)
+compile_handler = handler_compiler(_handler, _handler_parallel)

@@ -1,6 +1,7 @@
-"""What the CPU kernels (``cpu_decode_kernel``, ``cpu_dense_kernel``) share: reading XLA's typed FFI call frame
-from numba code (``xla/ffi/api/c_api.h`` in jaxlib's headers, by the fields' offsets), answering XLA's metadata
-query, and running numba's parallel loops on TBB. Imported only where a kernel is built.
+"""What the CPU kernels (``decode_kernel``, ``prefill_kernel``, ``dense_kernel``) share: reading XLA's typed FFI call
+frame from numba code (``xla/ffi/api/c_api.h`` in jaxlib's headers, by the fields' offsets) and its buffers as
+arrays, answering XLA's metadata query (``serve``: the body of every handler), and compiling a kernel's handlers,
+whose parallel loops run on TBB. Imported only where a kernel is built.
 """
 
 from __future__ import annotations
@@ -52,6 +53,43 @@ def buffer(args, i):
 
 
 @numba.njit(inline="always")
+def scalar_i32(args, i):
+    data, _ = buffer(args, i)
+    return numba.carray(data, (1,), np.int32)[0]
+
+
+@numba.njit(inline="always")
+def vector_i32(args, i):
+    data, dims = buffer(args, i)
+    return numba.carray(data, (dims[0],), np.int32)
+
+
+@numba.njit(inline="always")
+def array3_f32(args, i):
+    data, dims = buffer(args, i)
+    return numba.carray(data, (dims[0], dims[1], dims[2]), np.float32)
+
+
+@numba.njit(inline="always")
+def array4_f32(args, i):
+    data, dims = buffer(args, i)
+    return numba.carray(data, (dims[0], dims[1], dims[2], dims[3]), np.float32)
+
+
+@numba.njit(inline="always")
+def paged_attention_operands(args):
+    """The operands both attention kernels begin with: q [T, H, D]; the K and V caches [L, N, block_size, K, D],
+    flattened, and their shape; the layer; the block tables [R, B]."""
+    k_data, dims = buffer(args, 1)
+    v_data, _ = buffer(args, 2)
+    cache_shape = (dims[0], dims[1], dims[2], dims[3], dims[4])
+    size = dims[0] * dims[1] * dims[2] * dims[3] * dims[4]
+    tables, t_dims = buffer(args, 4)
+    return (array3_f32(args, 0), numba.carray(k_data, (size,), np.float32), numba.carray(v_data, (size,), np.float32),
+            cache_shape, scalar_i32(args, 3), numba.carray(tables, (t_dims[0], t_dims[1]), np.int32))
+
+
+@numba.njit(inline="always")
 def answered(frame) -> bool:
     """Whether this call is not an execution (XLA asking for metadata, or another stage): answered here."""
     if frame[_FRAME_EXTENSION] != 0:  # XLA asking for the handler's metadata, not running it
@@ -85,6 +123,16 @@ def use_tbb() -> None:
         raise RuntimeError(f"numba's threading layer is {numba.threading_layer()!r}, not 'tbb'")
 
 
+@numba.njit(inline="always")
+def serve(frame_addr, operands, kernel):
+    """The body of every kernel's handler: answers XLA's metadata query, or runs ``kernel(*operands(frame))`` on
+    the call's buffers; returns null (success)."""
+    frame = frame_of(frame_addr)
+    if not answered(frame):
+        kernel(*operands(frame))
+    return ptr(0)
+
+
 def compile_cfunc(handler, parallel: bool):
     """``handler`` (``XLA_FFI_Error* (XLA_FFI_CallFrame*)``, a module-level function: numba caches the cfunc of
     nothing else, so each kernel keeps its own pair of handlers) compiled as a C function, cached on disk by
@@ -93,3 +141,13 @@ def compile_cfunc(handler, parallel: bool):
     if parallel:
         use_tbb()
     return numba.cfunc(types.voidptr(types.int64), cache=True)(handler)
+
+
+def handler_compiler(handler, handler_parallel):
+    """A kernel module's ``compile_handler(parallel=False)``: its handler (``parallel``: the one over numba's
+    threads, on TBB) compiled by ``compile_cfunc``."""
+
+    def compile_handler(parallel: bool = False):
+        return compile_cfunc(handler_parallel if parallel else handler, parallel)
+
+    return compile_handler

@@ -26,7 +26,9 @@ from jax.sharding import PartitionSpec as P
 from pipejax.pp_utils import TP_AXIS
 from pipejax.runner.cpu import decode_attention as cpu_decode_attention
 from pipejax.runner.cpu.build import build_and_register
-from pipejax.runner.model import PANEL, prefill_attention
+from pipejax.runner.cpu.sharded import CACHE_SPEC, on_each_device
+from pipejax.runner.model import prefill_attention
+from pipejax.runner.panels import PANEL
 
 KERNEL = "pipejax.runner.cpu.prefill_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_paged_prefill_attention"
@@ -50,22 +52,10 @@ def usable(dtype, head_dim: int, devices: list[jax.Device]) -> bool:
 
 
 def for_mesh(mesh: Mesh) -> Callable:
-    """The kernel for a stage on ``mesh``: called directly on one device; over ``tp`` devices each runs it on its
-    own heads (queries sharded over heads, the cache over KV heads, as the model shards them)."""
-    if mesh.devices.size == 1:
-        return paged_prefill_attention
-    tokens, kv_heads, rep, out = P(None, TP_AXIS, None), P(None, None, None, TP_AXIS, None), P(), P(None, None, TP_AXIS)
-
-    def sharded(q, k_cache, v_cache, layer, query_start, start_pos, block_tables, query_len, sliding_window):
-        def local(q, k_cache, v_cache, layer, query_start, start_pos, block_tables):
-            return paged_prefill_attention(q, k_cache, v_cache, layer, query_start, start_pos, block_tables,
-                                           query_len, sliding_window)
-
-        return jax.shard_map(local, mesh=mesh, in_specs=(tokens, kv_heads, kv_heads, rep, rep, rep, rep),
-                             out_specs=out, check_vma=False)(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32),
-                                                             query_start, start_pos, block_tables)
-
-    return sharded
+    """The kernel for a stage on ``mesh``, as ``cpu_decode_attention.for_mesh``: q [T, H, D] split over heads, the
+    cache over KV heads, the result [R, Q, H, D] over heads; query_len and the sliding window static."""
+    in_specs = (P(None, TP_AXIS, None), CACHE_SPEC, CACHE_SPEC, P(), P(), P(), P())  # ..., layer, rows' starts, tables
+    return on_each_device(paged_prefill_attention, mesh, in_specs, P(None, None, TP_AXIS))
 
 
 def paged_prefill_attention(q, k_cache, v_cache, layer, query_start, start_pos, block_tables, query_len,
@@ -78,13 +68,6 @@ def paged_prefill_attention(q, k_cache, v_cache, layer, query_start, start_pos, 
         return prefill_attention(q, k_cache[layer], v_cache[layer], query_start, start_pos, block_tables, query_len,
                                  sliding_window or None)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, query_len, H, D), jnp.float32))
-    return call(
-        q.astype(jnp.float32),
-        k_cache,
-        v_cache,
-        jnp.asarray(layer, jnp.int32),
-        block_tables.astype(jnp.int32),
-        query_start.astype(jnp.int32),
-        start_pos.astype(jnp.int32),
-        jnp.int32(sliding_window or 0),
-    )
+    rows = (block_tables.astype(jnp.int32), query_start.astype(jnp.int32), start_pos.astype(jnp.int32))
+    return call(q.astype(jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32), *rows,
+                jnp.int32(sliding_window or 0))

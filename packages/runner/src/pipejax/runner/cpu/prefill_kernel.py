@@ -16,8 +16,8 @@ import math
 import numba
 import numpy as np
 
+from pipejax.runner.cpu import ffi
 from pipejax.runner.cpu.dense_kernel import PANEL, rows_times_panel
-from pipejax.runner.cpu.ffi import answered, arguments, buffer, compile_cfunc, frame_of, ptr
 from pipejax.runner.cpu.vector_exp import softmax_numerators
 
 _ARGS = 8  # q, k_cache, v_cache, layer, block_tables, query_start, start_pos, sliding_window
@@ -108,46 +108,17 @@ def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, query_start,
 @numba.njit(inline="always")
 def _operands(frame):
     """The call's buffers as the arguments of ``_attend_all``."""
-    args, rets = arguments(frame, _ARGS)
-    q_data, q_dims = buffer(args, 0)
-    k_data, k_dims = buffer(args, 1)
-    v_data, _ = buffer(args, 2)
-    layer_data, _ = buffer(args, 3)
-    t_data, t_dims = buffer(args, 4)
-    qs_data, _ = buffer(args, 5)
-    pos_data, _ = buffer(args, 6)
-    window_data, _ = buffer(args, 7)
-    out_data, out_dims = buffer(rets, 0)
-    k_shape = (k_dims[0], k_dims[1], k_dims[2], k_dims[3], k_dims[4])
-    k_size = k_dims[0] * k_dims[1] * k_dims[2] * k_dims[3] * k_dims[4]
-    return (
-        numba.carray(q_data, (q_dims[0], q_dims[1], q_dims[2]), np.float32),
-        numba.carray(k_data, (k_size,), np.float32),
-        numba.carray(v_data, (k_size,), np.float32),
-        k_shape,
-        numba.carray(layer_data, (1,), np.int32)[0],
-        numba.carray(t_data, (t_dims[0], t_dims[1]), np.int32),
-        numba.carray(qs_data, (t_dims[0],), np.int32),
-        numba.carray(pos_data, (t_dims[0],), np.int32),
-        numba.carray(window_data, (1,), np.int32)[0],
-        numba.carray(out_data, (out_dims[0], out_dims[1], out_dims[2], out_dims[3]), np.float32),
-    )
+    args, rets = ffi.arguments(frame, _ARGS)
+    starts = (ffi.vector_i32(args, 5), ffi.vector_i32(args, 6))  # query_start, start_pos
+    return ffi.paged_attention_operands(args) + starts + (ffi.scalar_i32(args, 7), ffi.array4_f32(rets, 0))
 
 
-def _handler(frame_addr):  # compiled by compile_handler; returns null: success
-    frame = frame_of(frame_addr)
-    if not answered(frame):
-        _attend_all(*_operands(frame))
-    return ptr(0)
+def _handler(frame_addr):  # compiled by compile_handler
+    return ffi.serve(frame_addr, _operands, _attend_all)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
-    frame = frame_of(frame_addr)
-    if not answered(frame):
-        _attend_parallel(*_operands(frame))
-    return ptr(0)
+    return ffi.serve(frame_addr, _operands, _attend_parallel)
 
 
-def compile_handler(parallel: bool = False):
-    """The handler compiled (``cpu_ffi.compile_cfunc``); ``parallel``: over numba's threads on TBB."""
-    return compile_cfunc(_handler_parallel if parallel else _handler, parallel)
+compile_handler = ffi.handler_compiler(_handler, _handler_parallel)
