@@ -44,6 +44,8 @@ nox.options.sessions = ["lint", "layers"] + [
     d.name.replace("-", "_") for d in sorted(PACKAGES.iterdir()) if any((d / "tests").glob("test_*.py"))
 ] + ["multihost", "vllm"]  # Ray nodes in network namespaces (root); vLLM's engine on pipejax's stages
 MULTIHOST_TESTS = PACKAGES / "ray-executor" / "tests" / "multihost"
+# The unpublished benchmarks package (whole-system benchmarks and the report), outside every layer.
+BENCHMARKS = ROOT / "benchmarks"
 VLLM_TESTS = PACKAGES / "ray-executor" / "tests" / "vllm_host"
 
 
@@ -117,8 +119,10 @@ def platform_tpu(session: nox.Session) -> None:
 def ray_executor(session: nox.Session) -> None:
     """Test pipejax-ray-executor: scheduler, engine, executors, LLM API and CLI."""
     # The `multihost` and `vllm` sessions run those.
-    _test_layer(session, "ray-executor", f"--ignore={MULTIHOST_TESTS}", f"--ignore={VLLM_TESTS}", "-m",
-                "not slow and not extra")
+    # Also the benchmark report's tests (benchmarks/tests: rendering from synthetic JSON, no measuring): they need
+    # only this venv, and a session of their own would cost CI a venv.
+    _test_layer(session, "ray-executor", str(BENCHMARKS / "tests"), f"--ignore={MULTIHOST_TESTS}",
+                f"--ignore={VLLM_TESTS}", "-m", "not slow and not extra")
 
 
 @nox.session(default=False)
@@ -207,12 +211,24 @@ def bench_throughput(session: nox.Session) -> None:
     session.run("pipejax", "bench", "throughput", *session.posargs)
 
 
+def _install_benchmarks(session: nox.Session, *pip_args: str) -> None:
+    """The benchmarks package (benchmarks/pyproject.toml) with the layers it runs, from this checkout."""
+    local = [str(PACKAGES / d) for d in _internal_deps("ray-executor", "bench") + ["ray-executor"]]
+    session.install(*pip_args, "-c", CONSTRAINTS, *local, f"{BENCHMARKS}[test]")
+
+
+@nox.session(default=False)
+def benchmarks(session: nox.Session) -> None:
+    """The benchmarks package: its tests (the report rendered from synthetic JSON), in its own venv."""
+    _install_benchmarks(session, LAZY_BYTECODE)
+    session.run("pytest", str(BENCHMARKS / "tests"), "-q", *session.posargs, env=TEST_ENV)
+
+
 @nox.session(default=False)
 def bench_report(session: nox.Session) -> None:
     """Benchmark: every benchmark section, written up as BENCHMARKS.md (+ plot); --quick halves it."""
-    _install_layer(session, "ray-executor", extras="bench")
-    report = PACKAGES / "ray-executor" / "benchmarks" / "report.py"
-    session.run("python", str(report), "--output", str(ROOT / "BENCHMARKS.md"), *session.posargs)
+    _install_benchmarks(session)
+    session.run("python", str(BENCHMARKS / "report.py"), "--output", str(ROOT / "BENCHMARKS.md"), *session.posargs)
 
 
 @nox.session(default=False)
@@ -220,7 +236,7 @@ def soak(session: nox.Session) -> None:
     """Soak: `pipejax serve` (builtin, pp=2, Ray stage actors) under steady load; RSS growth after warm-up < 20 MB."""
     _install_layer(session, "ray-executor", extras=None)
     session.install("-c", CONSTRAINTS, "httpx2")
-    session.run("python", str(PACKAGES / "ray-executor" / "benchmarks" / "soak.py"), *session.posargs,
+    session.run("python", str(BENCHMARKS / "soak.py"), *session.posargs,
                 env={**SIM_DEVICES, "RAY_AUTH_MODE": "disabled", "TMPDIR": os.environ.get("TMPDIR", "/tmp")})
 
 
@@ -305,7 +321,7 @@ def vllm(session: nox.Session) -> None:
     # Ray refuses a temp dir inside the venv, where create_tmp() pointed TMPDIR.
     tmp = {"TMPDIR": os.environ.get("TMPDIR", "/tmp")}
     if session.posargs[:1] == ["bench"]:
-        session.run("python", str(PACKAGES / "ray-executor" / "benchmarks" / "vllm_host.py"), *session.posargs[1:],
+        session.run("python", str(BENCHMARKS / "vllm_host.py"), *session.posargs[1:],
                     env={**SIM_DEVICES, **tmp, **LAZY_ENV})
         return
     # `extra` tests (kept out of CI's budget) run with `nox -s vllm -- -m extra`: pytest takes the last -m

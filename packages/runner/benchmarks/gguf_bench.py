@@ -4,7 +4,7 @@
    dequantized while loading) vs the fp32 safetensors checkpoint that transformers converts from it (written
    once into $PIPEJAX_CACHE_DIR, default ~/.cache/pipejax); also as a ratio to the whole model's fp32 bytes.
 2. Output tokens/s at concurrency 1 and 64 (greedy, ignore_eos, random prompt token ids): pipejax's ``LLM``
-   (pp1 tp1 fp32 on the GGUF file; packages/ray-executor/benchmarks/gguf_throughput.py, warmed up by one
+   (pp1 tp1 fp32 on the GGUF file; benchmarks/gguf_throughput.py, warmed up by one
    untimed pass of the same workload) vs transformers ``generate`` (fp32, the converted checkpoint, one
    batch of all prompts, 2 torch threads).
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-THROUGHPUT_PROBE = HERE.parents[2] / "ray-executor" / "benchmarks" / "gguf_throughput.py"
+THROUGHPUT_PROBE = HERE.parents[3] / "benchmarks" / "gguf_throughput.py"
 PROBE_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 TORCH_THREADS = 2
 

@@ -33,7 +33,7 @@ from netns_cluster import HostSpec, NetnsCluster, NetnsUnavailable, check_availa
 pytestmark = pytest.mark.timeout(600)
 
 HERE = Path(__file__).parent
-SCHEDULE_BENCH = HERE.parents[1] / "benchmarks" / "pipeline_schedule.py"
+SCHEDULE_BENCH = HERE.resolve().parents[3] / "benchmarks" / "pipeline_schedule.py"  # the repository root's
 PREFIX = "pj"
 HOSTS = [HostSpec("10.213.0.50", 2), HostSpec("10.213.0.100", 2), HostSpec("10.213.0.9", 2)]
 EXPECT_ORDER = ["pj-h0", "pj-h2", "pj-h1"]

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from sections.common import (
+from pipejax_benchmarks.sections.common import (
     INPUT_LEN,
     NUM_PROMPTS,
     OUTPUT_LEN,
@@ -36,7 +36,7 @@ from sections.common import (
     stage_pids,
     summary,
 )
-from sections.throughput import pipejax_run
+from pipejax_benchmarks.sections.throughput import pipejax_run
 
 GOAL = 1.6
 MAX_REPEATS = 2  # pairs of headline runs (each ~30-60 s here): the report's time budget

@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from sections.common import (
+from pipejax_benchmarks.sections.common import (
     EngineProcess,
     bench_model,
     machine_rates,

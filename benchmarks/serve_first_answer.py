@@ -3,7 +3,7 @@ install (an empty HOME and numba cache: no compilation cache, kernel verdict nor
 with the caches that start filled; with ``--until-kernels``, also when the first start's stage switched to the CPU
 kernels it built in the background (from the server's log).
 
-    python packages/ray-executor/benchmarks/serve_first_answer.py --until-kernels [-- serve flags]
+    python benchmarks/serve_first_answer.py --until-kernels [-- serve flags]
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ the driver's process (on host 0). Each engine runs the same workload with 1, pp 
   stage 0, stage -> stage, last stage -> driver, the driver's turnaround);
 - the cores busy: the driver's process, the stages' processes, the whole machine.
 
-    python packages/ray-executor/benchmarks/pipeline_schedule.py                  # pp 2 4 8, 20 ms stages
-    python packages/ray-executor/benchmarks/pipeline_schedule.py --pp 2 --repeats 1 --json /tmp/schedule.json
+    python benchmarks/pipeline_schedule.py                  # pp 2 4 8, 20 ms stages
+    python benchmarks/pipeline_schedule.py --pp 2 --repeats 1 --json /tmp/schedule.json
 
 Needs root (network namespaces), like the ``multihost`` nox session.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-MULTIHOST = HERE.parent / "tests" / "multihost"
+MULTIHOST = HERE.parent / "packages" / "ray-executor" / "tests" / "multihost"  # its netns cluster helper
 PREFIX = "pjsch"
 MODES = ("plain", "compiled")
 

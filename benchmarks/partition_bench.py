@@ -7,9 +7,9 @@ one untimed run to compile, then one timed), the splits alternating (default: ev
 every stage's busy time (its step trace, from its inputs in hand to its output sent) over the run's wall time:
 the split's balance.
 
-    python packages/ray-executor/benchmarks/partition_bench.py                 # 2 pairs of runs
-    python packages/ray-executor/benchmarks/partition_bench.py --repeats 3 --json /tmp/partition.json
-    python packages/ray-executor/benchmarks/partition_bench.py --splits even 17,13 16,14 --repeats 1
+    python benchmarks/partition_bench.py                 # 2 pairs of runs
+    python benchmarks/partition_bench.py --repeats 3 --json /tmp/partition.json
+    python benchmarks/partition_bench.py --splits even 17,13 16,14 --repeats 1
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ GOAL = 1.15
 def one_run(partition: str) -> dict:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sections.common import engine_kwargs, prompts
+    from pipejax_benchmarks.sections.common import engine_kwargs, prompts
 
     from pipejax.ray_executor import LLM, SamplingParams
 

@@ -7,14 +7,14 @@ API server, the engine core, each stage actor; Ray's own daemons are left out). 
 RSS of the last minute minus the median of the first minute after ``--warmup-minutes``; it passes when
 every process grew by less than ``--limit-mb``.
 
-    python packages/ray-executor/benchmarks/soak.py --minutes 20        # or: nox -s soak
+    python benchmarks/soak.py --minutes 20        # or: nox -s soak
 
 ``--chaos-every-s 90`` makes it a chaos soak: a stage actor process is killed (SIGKILL) every 90 s, the load is
 greedy streams whose text must equal a reference taken before the first kill, and it passes only when no
 request failed or differed, every kill was healed (``/metrics``) and memory stayed flat as above (a replaced
 stage is a new process: it is measured from its start).
 
-    python packages/ray-executor/benchmarks/soak.py --minutes 15 --chaos-every-s 90   # or: nox -s soak -- ...
+    python benchmarks/soak.py --minutes 15 --chaos-every-s 90   # or: nox -s soak -- ...
 """
 
 from __future__ import annotations

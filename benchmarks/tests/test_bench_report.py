@@ -1,5 +1,5 @@
-"""The benchmark report (packages/ray-executor/benchmarks/report.py, next to the package, not in it)
-renders BENCHMARKS.md from the sections' JSON (synthetic here: no measuring)."""
+"""The benchmark report (benchmarks/report.py: the unpublished benchmarks package at the repository root, outside
+every layer) renders BENCHMARKS.md from the sections' JSON (synthetic here: no measuring)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(PACKAGE / "benchmarks"))  # what report.py's own folder is when run as a script
+BENCHMARKS = Path(__file__).resolve().parents[1]
+ROOT = BENCHMARKS.parent
+sys.path.insert(0, str(BENCHMARKS))  # what benchmarks/report.py's own folder is when run as a script
 
-from report import SECTIONS, build_parser, fmt, main, verdict  # noqa: E402
-from sections.common import summary  # noqa: E402
+from pipejax_benchmarks.report import SECTIONS, build_parser, fmt, main, verdict  # noqa: E402
+from pipejax_benchmarks.sections.common import summary  # noqa: E402
 
 from pipejax.ray_executor.cli import build_parser as cli_parser  # noqa: E402
 
@@ -98,10 +99,10 @@ def synthetic_results() -> dict[str, dict]:
     }
 
 
-def test_report_is_a_script_outside_the_package():
+def test_report_is_outside_every_layer():
     args = build_parser().parse_args(["--quick", "--sections", "decode,memory"])
     assert args.quick and args.sections == "decode,memory"
-    src = PACKAGE / "src" / "pipejax" / "ray_executor"
+    src = ROOT / "packages" / "ray-executor" / "src" / "pipejax" / "ray_executor"
     assert not (src / "benchmarks").exists() and not (src / "bench_report.py").exists()
     with pytest.raises(SystemExit):  # `pipejax bench` keeps throughput and serve only
         cli_parser().parse_args(["bench", "report"])

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from pipejax.worker.worker import CACHE_DIR_ENV
-from sections.common import section_main, summary
+from pipejax_benchmarks.sections.common import section_main, summary
 
 PHASES = (
     "python + imports",
@@ -93,7 +93,7 @@ def child() -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from sections.common import bench_model
+    from pipejax_benchmarks.sections.common import bench_model
 
     bench_model()  # generate the checkpoint outside the timed processes
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}

@@ -6,7 +6,7 @@ they finish; a step counts when its batch holds 64 decode rows. Constrained rows
 frequency penalties and a JSON schema whose one string must run longer than the budget, so no grammar ends early.
 Besides the step it reports the grammar's share: llguidance's bitmask fill, per step.
 
-    python packages/ray-executor/benchmarks/constrained_step.py [--model PATH] [--rounds 3] [--new 48]
+    python benchmarks/probes/constrained_step.py [--model PATH] [--rounds 3] [--new 48]
 """
 
 from __future__ import annotations

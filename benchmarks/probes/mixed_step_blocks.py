@@ -5,7 +5,7 @@ The step: 16 decode rows at context 128 (12 blocks of 16 in the table bucket; th
 rows, as the engine pads it with max_num_seqs 64) beside 16 fresh 127-token prompts (8 blocks would do), as in
 the headline workload's second prefill step.
 
-    cd packages/ray-executor/benchmarks && python mixed_step_blocks.py
+    python benchmarks/probes/mixed_step_blocks.py
 
 Measured 2026-12-02 09:50 UTC (2-CPU AMD EPYC, six alternated rounds): prefill blocks 8: 1867 ms (min 1850);
 all 12: 1985 ms (min 1970).
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from sections.common import bench_model  # noqa: E402
-from sections.decode import DecodeBench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the sections
+from pipejax_benchmarks.sections.common import bench_model  # noqa: E402
+from pipejax_benchmarks.sections.decode import DecodeBench  # noqa: E402
 
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest  # noqa: E402
 

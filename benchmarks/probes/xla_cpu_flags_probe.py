@@ -5,7 +5,7 @@ Each flag setting runs in a fresh process (XLA reads XLA_FLAGS once), the settin
 steps use: the 2048^3 reference of the floors, the decode step's 64-row and 1-row weight matmuls, and a
 2048-token prefill matmul.
 
-    python packages/runner/benchmarks/xla_cpu_flags_probe.py [--rounds 2]
+    python benchmarks/probes/xla_cpu_flags_probe.py [--rounds 2]
 
 The flag names and values are the ones jaxlib 0.10.2 accepts (its binaries list them; a wrong value is a
 fatal error at import). Measured 2026-12-01 14:20 UTC, 2 rounds on a noisy 2-CPU machine: no setting beat the
@@ -19,6 +19,9 @@ import argparse
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+RUNNER_BENCHMARKS = Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"
 
 SETTINGS = [
     "",
@@ -38,7 +41,8 @@ def probe() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from decode_bench import timed  # this folder's (run as a script)
+    sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's decode_bench: its timer
+    from decode_bench import timed
 
     rng = np.random.default_rng(0)
     matmul = jax.jit(lambda x, y: x @ y)

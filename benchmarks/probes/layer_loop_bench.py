@@ -3,7 +3,7 @@
 static slices of the stacked arrays inside the jit. Twelve Llama-like layers (hidden 768, ffn 2048), fp32,
 a batch of 1 and of 64 rows; each line: median of 10 calls and the weight bytes read per second.
 
-    python packages/runner/benchmarks/layer_loop_bench.py
+    python benchmarks/probes/layer_loop_bench.py
 
 The scan's dynamic slice of each layer's weights is a copy on XLA:CPU (its dots cannot read a slice in
 place), so a weight-bound step reads and writes every weight once more than it needs to. Measured
@@ -18,13 +18,17 @@ step is in the runner README and BENCHMARKS.md's decode section.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+RUNNER_BENCHMARKS = Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"
+sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's decode_bench: its timer
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from decode_bench import timed  # noqa: E402  (this folder's; run as a script)
+from decode_bench import timed  # noqa: E402
 
 L, E, F = 12, 768, 2048
 SHAPES = {"qkv": (E, 3 * E), "o": (E, E), "gate": (E, F), "up": (E, F), "down": (F, E)}

@@ -17,7 +17,7 @@ import argparse
 import time
 from typing import Any
 
-from sections.common import (
+from pipejax_benchmarks.sections.common import (
     INPUT_LEN,
     NUM_PROMPTS,
     OUTPUT_LEN,
@@ -139,7 +139,7 @@ def torch_matmul_rate(repeats: int = 5) -> float:
 
     import torch
 
-    from sections.common import timed
+    from pipejax_benchmarks.sections.common import timed
 
     a = torch.ones(2048, 2048)
     return 2 * 2048**3 / statistics.median(timed(lambda: a @ a, repeats))
@@ -192,7 +192,7 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
     at the measured bandwidth."""
     from collections import Counter
 
-    from sections.decode import DenseMatmuls, kv_bytes
+    from pipejax_benchmarks.sections.decode import DenseMatmuls, kv_bytes
 
     matmuls = DenseMatmuls(cfg, panels=dots == "cpu-kernel")
     counts = Counter((b["tokens"], b["sampled"]) for b in steps)

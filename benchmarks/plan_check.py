@@ -9,7 +9,7 @@ host measured (``plan.measure_cpu_host``) in the parent process, before any engi
 return before their device work ends (JAX dispatches asynchronously), so for pp > 1 a stage's time lands in the
 next stage's wait: only the sum over the stages is comparable there (also printed).
 
-    python packages/ray-executor/benchmarks/plan_check.py --model builtin:bench --layouts 1x1 2x1 2x2
+    python benchmarks/plan_check.py --model builtin:bench --layouts 1x1 2x1 2x2
 """
 
 from __future__ import annotations

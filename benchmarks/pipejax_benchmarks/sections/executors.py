@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from sections.common import (
+from pipejax_benchmarks.sections.common import (
     bench_model,
     cpu_seconds,
     engine_kwargs,
@@ -33,7 +33,7 @@ from sections.common import (
     stage_pids,
     summary,
 )
-from sections.throughput import BatchRecorder
+from pipejax_benchmarks.sections.throughput import BatchRecorder
 
 BATCH, INPUT, OUTPUT = 32, 16, 32
 MODES = {

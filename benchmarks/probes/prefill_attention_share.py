@@ -2,8 +2,8 @@
 jitted forward as it is, then with ``model.prefill_attention`` replaced by a stub of the same shape (zeros that
 depend on q, so nothing is folded away), each next to JAX's 2048^3 matmul rate measured right after it.
 
-    cd packages/ray-executor/benchmarks && python prefill_attention_share.py as-is
-    cd packages/ray-executor/benchmarks && python prefill_attention_share.py no-attention
+    python benchmarks/probes/prefill_attention_share.py as-is
+    python benchmarks/probes/prefill_attention_share.py no-attention
 
 Run the two in separate processes (alternate them). Measured 2026-12-01, three runs each, with the prefill
 attention as it was then (dense over the whole [query, context] block): as is 1884 / 1928 / 1994 ms (0.80 /
@@ -21,13 +21,15 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the sections
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from sections.common import bench_model  # noqa: E402
-from sections.decode import DecodeBench, prefill_flops  # noqa: E402
+from pipejax_benchmarks.sections.common import bench_model  # noqa: E402
+from pipejax_benchmarks.sections.decode import DecodeBench, prefill_flops  # noqa: E402
 
 from pipejax.runner import model  # noqa: E402
 

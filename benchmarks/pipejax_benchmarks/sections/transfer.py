@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from sections.common import section_main, summary
+from pipejax_benchmarks.sections.common import section_main, summary
 
 HIDDEN = 768
 SIZES = {"decode 64x768": 64, "prefill 2048x768": 2048}

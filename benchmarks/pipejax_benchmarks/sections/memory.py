@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any
 
-from sections.common import bench_model, section_main, summary, weight_bytes
+from pipejax_benchmarks.sections.common import bench_model, section_main, summary, weight_bytes
 
 GOAL = 0.6
 KV_BLOCKS = 65

@@ -4,7 +4,7 @@ Run by packages/runner/benchmarks/gguf_bench.py in a fresh process per measureme
 transformers probe); prints one JSON line. The workload runs once untimed (compiling every bucket it
 meets), then once timed:
 
-    python packages/ray-executor/benchmarks/gguf_throughput.py MODEL PROMPTS_JSON OUTPUT_LEN
+    python benchmarks/gguf_throughput.py MODEL PROMPTS_JSON OUTPUT_LEN
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ the loss:
 - loss -> next token: the whole gap, the goal's figure (<= 30 s with a warm cache, default model, pp=2);
 - the throughput dip: tokens/s in 1 s windows before and after.
 
-    python packages/ray-executor/benchmarks/recovery_bench.py                       # default model, 16 requests
-    python packages/ray-executor/benchmarks/recovery_bench.py --models default builtin --requests 4 16 64
-    python packages/ray-executor/benchmarks/recovery_bench.py --loss process host
+    python benchmarks/recovery_bench.py                       # default model, 16 requests
+    python benchmarks/recovery_bench.py --models default builtin --requests 4 16 64
+    python benchmarks/recovery_bench.py --loss process host
 """
 
 from __future__ import annotations
