@@ -6,7 +6,7 @@
 
 import sys
 
-from pipejax_benchmarks.report import main
+from pipejax_benchmarks.report.run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,9 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 ROOT = BENCHMARKS.parent
 sys.path.insert(0, str(BENCHMARKS))  # what benchmarks/report.py's own folder is when run as a script
 
-from pipejax_benchmarks.report import SECTIONS, build_parser, fmt, main, verdict  # noqa: E402
+from pipejax_benchmarks.report.catalog import SECTIONS  # noqa: E402
+from pipejax_benchmarks.report.run import build_parser, main  # noqa: E402
+from pipejax_benchmarks.report.text import fmt, verdict  # noqa: E402
 from pipejax_benchmarks.sections.common import summary  # noqa: E402
 
 from pipejax.ray_executor.cli import build_parser as cli_parser  # noqa: E402
