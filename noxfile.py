@@ -192,8 +192,9 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench_transport(session: nox.Session) -> None:
-    """Benchmark: activation transport GB/s vs a plain memory copy."""
+    """Benchmark: activation transport GB/s vs a plain memory copy and (cross-process) a raw ZMQ PUSH/PULL."""
     _install_layer(session, "pp-utils")
+    session.install("-c", CONSTRAINTS, "pyzmq")  # the cross-process reference (cross_process.py), not pp-utils'
     session.run("python", str(PACKAGES / "pp-utils" / "benchmarks" / "transport_bench.py"), *session.posargs)
 
 

@@ -1,168 +1,33 @@
-"""Cross-process activation transfer (stage 0 process -> stage 1 process) next to a raw ZMQ PUSH/PULL of
-the same bytes between the same two processes.
-
-This process is stage 1 (the receiver); a child process is stage 0 (the sender). For every transfer
-the receiver sends a one-line "go" over a ZMQ control socket and times until the data are usable
-here; the sender, on "go", sends the float32 [rows, 768] activation in one of three ways:
-
-- ``zmq``: a raw ZMQ PUSH of the array's bytes (zero-copy send), received by PULL (the reference);
-- ``transport``: pipejax's ``TransferServerTransport.send`` of the jax array, ``receive`` into this
-  process's device (what a pp stage does: descriptor pull, then data pull);
-- ``raw pull``: one bare ``jax.experimental.transfer`` pull of the same array from a separate
-  transfer server (no descriptor, blocking wait): what the transfer server itself costs.
-
-Sizes: decode (64 x 768) and prefill (2048 x 768). The three alternate transfer by transfer;
-latency is the median time per transfer, GB/s = bytes / that time, the ratio is per round.
+"""Cross-process activation transfer next to a raw ZMQ PUSH/PULL of the same bytes: the pp-utils layer's
+measurement (``packages/pp-utils/benchmarks/cross_process.py``), run as a script in this venv, its JSON kept as
+the section's figures. The measurement lives there, once; this section only sets its rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
-import time
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from pipejax_benchmarks.sections.common import section_main, summary
+from pipejax_benchmarks.sections.common import section_main
 
-HIDDEN = 768
-SIZES = {"decode 64x768": 64, "prefill 2048x768": 2048}
-KINDS = ("zmq", "transport", "raw pull")
-GOAL = 0.8
-RAW_BASE = 1 << 40  # raw-pull uuids, far from the transport's (2 * step, 2 * step + 1)
-
-
-def sender() -> None:
-    """Stage 0: serve "go" commands from the receiver until told to stop."""
-    import jax
-    import numpy as np
-    import zmq
-    from jax.experimental import transfer
-
-    from pipejax.pp_utils import IntermediateTensors, TransferServerTransport
-
-    ctx = zmq.Context()
-    control, data = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    control_port = control.bind_to_random_port("tcp://127.0.0.1")
-    data_port = data.bind_to_random_port("tcp://127.0.0.1")
-    transport = TransferServerTransport()
-    raw = transfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
-    arrays = {rows: jax.device_put(np.full((rows, HIDDEN), rows, np.float32)) for rows in SIZES.values()}
-    host = {rows: np.asarray(a) for rows, a in arrays.items()}
-    print(f"{control_port} {data_port} {transport.address} {raw.address()}", flush=True)
-    send_s: dict[str, list[float]] = {}
-    while True:
-        kind, rows, step = control.recv_string().split()
-        rows, step = int(rows), int(step)
-        if kind == "stop":
-            break
-        start = time.perf_counter()
-        if kind == "zmq":
-            data.send(host[rows], copy=False)
-        elif kind == "transport":
-            transport.send(step, IntermediateTensors({"hidden_states": arrays[rows]}))
-        else:
-            raw.await_pull(RAW_BASE + step, [arrays[rows]])
-        send_s.setdefault(f"{kind} {rows}", []).append(time.perf_counter() - start)
-    data.send_json(send_s)  # how long each send call took here, for the breakdown
-    control.close(linger=0)
-    data.close(linger=1000)
+CROSS_PROCESS = Path(__file__).resolve().parents[3] / "packages" / "pp-utils" / "benchmarks" / "cross_process.py"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import jax
-    import numpy as np
-    import zmq
-    from jax.experimental import transfer
-    from jax.sharding import SingleDeviceSharding
-
-    from pipejax.pp_utils import IntermediateTensors, TransferServerTransport
-
     rounds = (10 if args.quick else 30) * max(1, args.repeats) // 3
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, "-m", __spec__.name, "--sender"], env=env, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline().split()
-        if len(line) != 4:
-            raise RuntimeError("the sender process exited before printing its addresses")
-        control_port, data_port, address, raw_address = line
-        ctx = zmq.Context()
-        control, data = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        control.connect(f"tcp://127.0.0.1:{control_port}")
-        data.connect(f"tcp://127.0.0.1:{data_port}")
-        receiver = TransferServerTransport()
-        receiver.connect_previous(address, "sender process")
-        raw_server = transfer.start_transfer_server(jax.local_devices()[0].client, "127.0.0.1:0", ["127.0.0.1:0"])
-        raw_conn = raw_server.connect(raw_address)
-        device = SingleDeviceSharding(jax.local_devices()[0])
-        steps = iter(range(10**9))
-        specs = {rows: IntermediateTensors({"hidden_states": np.zeros((rows, HIDDEN), np.float32)}).spec(
-            {"hidden_states": device}) for rows in SIZES.values()}
-        receive_s: list[float] = []  # the whole receive call
-
-        def once(kind: str, rows: int) -> float:
-            step = next(steps)
-            nbytes = rows * HIDDEN * 4
-            start = time.perf_counter()
-            control.send_string(f"{kind.replace(' ', '_')} {rows} {step}")
-            if kind == "zmq":
-                frame = data.recv(copy=False)
-                got = np.frombuffer(frame.buffer, np.float32)
-                assert got.nbytes == nbytes
-            elif kind == "transport":
-                t0 = time.perf_counter()
-                got = receiver.receive(step, specs[rows], timeout=60)["hidden_states"]
-                got.block_until_ready()
-                receive_s.append(time.perf_counter() - t0)
-            else:
-                struct = jax.ShapeDtypeStruct((rows, HIDDEN), np.float32, sharding=device)
-                got = raw_conn.pull(RAW_BASE + step, [struct])[0]
-                got.block_until_ready()
-            elapsed = time.perf_counter() - start
-            assert float(np.asarray(got).reshape(-1)[0]) == rows
-            return elapsed
-
-        out = {}
-        for label, rows in SIZES.items():
-            times: dict[str, list[float]] = {k: [] for k in KINDS}
-            for _ in range(3):  # warm-up
-                for kind in KINDS:
-                    once(kind, rows)
-            phases: dict[str, list[float]] = {"descriptor wait": [], "data wait": [], "rest of receive": []}
-            for r in range(rounds):
-                for kind in KINDS[r % 3:] + KINDS[: r % 3]:
-                    times[kind].append(once(kind, rows))
-                    if kind == "transport":  # the transport's two waits per receive: descriptor, then data
-                        descriptor_wait, data_wait = receiver.last_receive_waits
-                        phases["descriptor wait"].append(descriptor_wait)
-                        phases["data wait"].append(data_wait)
-                        phases["rest of receive"].append(receive_s[-1] - descriptor_wait - data_wait)
-            nbytes = rows * HIDDEN * 4
-            out[label] = {
-                "bytes": nbytes,
-                "latency_ms": {k: summary([t * 1e3 for t in v]) for k, v in times.items()},
-                "gbps": {k: summary([nbytes / t / 1e9 for t in v]) for k, v in times.items()},
-                "ratio": summary([z / t for z, t in zip(times["zmq"], times["transport"], strict=True)]),
-                "ratio_raw_pull": summary([z / t for z, t in zip(times["zmq"], times["raw pull"], strict=True)]),
-                "transport_phases_ms": {k: summary([t * 1e3 for t in v])["median"] for k, v in phases.items()},
-            }
-        control.send_string("stop 0 0")
-        sends = data.recv_json()
-        for label, rows in SIZES.items():
-            out[label]["send_call_ms"] = {k: summary([t * 1e3 for t in sends.get(f"{k.replace(' ', '_')} {rows}", [])])[
-                "median"] for k in KINDS}
-        child.wait(timeout=30)
-        return {"sizes": out, "rounds": rounds}
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.stdout.close()
+    with tempfile.TemporaryDirectory(prefix="pipejax-transfer-") as tmp:
+        out = Path(tmp) / "cross_process.json"
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+        subprocess.run([sys.executable, str(CROSS_PROCESS), "--rounds", str(rounds), "--json", str(out)], env=env,
+                       check=True, timeout=1200)
+        return json.loads(out.read_text())
 
 
 if __name__ == "__main__":
-    if "--sender" in sys.argv:
-        sender()
-    else:
-        section_main(run, __doc__)
+    section_main(run, __doc__)

@@ -1,6 +1,6 @@
 """Decode-step time of the torchax path vs the native JAX path, on the built-in benchmark model.
 
-    .venv/bin/python packages/torchax-bridge/benchmarks/step_bench.py [--batches 1,16,64] [--context 128]
+    .venv/bin/python packages/torchax-bridge/benchmarks/step_bench.py [--batches 1,16,64] [--context 128] [--json PATH]
 
 Both paths run as a ``StageRunner`` (pp=1, tp=1, one CPU device) of ``ensure_builtin_model("bench")``
 (Llama, 124.7M parameters, float32) with the same paged KV cache and sampler; only the model
@@ -13,6 +13,7 @@ is the median over ``--iters`` steps after a warm-up (compilation); the ratio is
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64", help="decode batch sizes, comma-separated")
     parser.add_argument("--context", type=int, default=128, help="tokens already in each request's KV cache")
     parser.add_argument("--iters", type=int, default=30, help="timed steps per batch size and implementation")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -92,6 +94,13 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     for batch, native, torchax, ratio, c_native, c_torchax in rows:
         print(f"| {batch} | {native:.2f} | {torchax:.2f} | {ratio:.2f} | {c_native:.1f} / {c_torchax:.1f} |")
+    if args.json:
+        figures = {"context": args.context, "iters": args.iters, "platform": jax.devices()[0].platform, "decode": {
+            str(batch): {"native_ms": native, "torchax_ms": torchax, "ratio": ratio,
+                         "first_step_s": {"native": c_native, "torchax": c_torchax}}
+            for batch, native, torchax, ratio, c_native, c_torchax in rows}}
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
 
 
 if __name__ == "__main__":
