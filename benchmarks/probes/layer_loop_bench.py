@@ -18,17 +18,18 @@ step is in the runner README and BENCHMARKS.md's decode section.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 RUNNER_BENCHMARKS = Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"
-sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's decode_bench: its timer
+sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's benchmark helpers: the timer
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from decode_bench import timed  # noqa: E402
+from machine_floor import timed  # noqa: E402
 
 L, E, F = 12, 768, 2048
 SHAPES = {"qkv": (E, 3 * E), "o": (E, E), "gate": (E, F), "up": (E, F), "down": (F, E)}
@@ -68,7 +69,7 @@ def main() -> None:
         x = jnp.ones((batch, E), jnp.float32)
         for name, fn, weights in (("scan over stacked", scanned, stacked), ("loop over per-layer arrays", per_layer,
                                   layers), ("static slices of stacked", static_slices, stacked)):
-            t = timed(lambda fn=fn, x=x, w=weights: fn(x, w).block_until_ready(), 10)[0]
+            t = statistics.median(timed(lambda fn=fn, x=x, w=weights: fn(x, w).block_until_ready(), 10))
             print(f"batch {batch:2d}  {name:27s} {t * 1e3:7.1f} ms  {nbytes / t / 1e9:5.1f} GB/s of weights")
 
 

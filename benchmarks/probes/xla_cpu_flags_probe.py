@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +42,8 @@ def probe() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's decode_bench: its timer
-    from decode_bench import timed
+    sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's benchmark helpers: the timer
+    from machine_floor import timed
 
     rng = np.random.default_rng(0)
     matmul = jax.jit(lambda x, y: x @ y)
@@ -50,7 +51,7 @@ def probe() -> None:
     for m, k, n in SHAPES:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
         y = jnp.asarray(rng.standard_normal((k, n), np.float32))
-        median = timed(lambda x=x, y=y: matmul(x, y).block_until_ready(), 9)[0]
+        median = statistics.median(timed(lambda x=x, y=y: matmul(x, y).block_until_ready(), 9))
         out.append(f"{m}x{k}x{n} {2 * m * k * n / median / 1e9:4.0f}")
     print(" | ".join(out))
 

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,13 @@ os.environ.setdefault("PIPEJAX_CPU_KERNEL_BUILD", "wait")
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256  # room for 128 + 64; bounds the KV block bucket (and so the compiled shapes)
+# The timer and this machine's rates (the floor's denominators) are the runner layer's benchmark helpers, measured
+# the same way for the runner's decode_bench and for the report: imported from that file, by its path.
+RUNNER_BENCHMARKS = Path(__file__).resolve().parents[3] / "packages" / "runner" / "benchmarks"
+sys.path.insert(0, str(RUNNER_BENCHMARKS))
+from machine_floor import CONTEXT, kv_bytes, machine_rates, matmul_rate, step_cost, timed  # noqa: E402, F401
+
+# (re-exported to the sections)
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -94,58 +100,6 @@ def weight_bytes(model_path: str) -> int:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
     return total
-
-
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - start)
-    return out
-
-
-def matmul_rate(repeats: int = 5) -> float:
-    """FLOP/s of a 2048^3 fp32 matmul in JAX, the median of ``repeats``."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    return 2 * 2048**3 / statistics.median(timed(lambda: matmul(a).block_until_ready(), repeats))
-
-
-def machine_rates(repeats: int = 5) -> dict[str, float]:
-    """This machine's fp32 matmul rate (FLOP/s, 2048^3 in JAX) and resident read bandwidth (bytes/s), each
-    the median of ``repeats`` — the floor's denominators (a decode step streams its weights and K/V: reads).
-
-    Bandwidth: a JAX reduction over a resident 1 GiB array (no output buffer to fault in), next to numpy's
-    reduction over the same resident bytes, split over as many threads as this process has cores, as XLA
-    does (``numpy_bandwidth``, the reference it must agree with). Also
-    numpy's copy between two resident 1 GiB buffers (``numpy_copy_bandwidth``, read + write counted), for
-    comparison: a copy into another buffer also reads each destination line before writing it
-    (write-allocate), so it shows about what one read stream does."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    flops = matmul_rate(repeats)
-    n = 256 * 1024 * 1024  # 1 GiB of fp32
-    resident = [jnp.ones((n,), jnp.float32)]
-    total = jax.jit(jnp.sum)
-    t_bw = statistics.median(timed(lambda: total(resident[0]).block_until_ready(), repeats))
-    resident.clear()  # free it before numpy's two buffers
-    src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)  # both written once: resident
-    # numpy's reduction releases the GIL: one thread per core JAX's own reduction may use, each over its part
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    parts = np.array_split(src, threads)
-    with ThreadPoolExecutor(threads) as pool:
-        t_np = statistics.median(timed(lambda: list(pool.map(np.add.reduce, parts)), repeats))
-    t_copy = statistics.median(timed(lambda: np.copyto(dst, src), repeats))
-    return {"flops": flops, "bandwidth": 4 * n / t_bw, "numpy_bandwidth": 4 * n / t_np,
-            "numpy_copy_bandwidth": 2 * 4 * n / t_copy}
 
 
 def load_average() -> list[float]:

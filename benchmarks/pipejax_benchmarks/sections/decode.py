@@ -30,36 +30,22 @@ import statistics
 import time
 from typing import Any
 
-from pipejax_benchmarks.sections.common import (
+from pipejax_benchmarks.sections.common import (  # the floor's helpers: the runner's benchmarks (machine_floor)
+    CONTEXT,
     EngineProcess,
     bench_model,
+    kv_bytes,
     machine_rates,
     matmul_rate,
     section_main,
+    step_cost,
     summary,
     timed,
 )
 
-CONTEXT = 128
 HEADLINE_BATCH = 64
 GOAL = 1.5
 PREFILL_ROWS, PREFILL_LEN = 16, 128  # one 2048-token prefill step: 16 prompts x 128 tokens
-
-
-def step_cost(cfg, batch: int, context: int = CONTEXT) -> tuple[float, float]:
-    """(FLOPs, weight bytes read) of one whole-model decode step at ``batch`` (decode_bench's formula)."""
-    E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.vocab_size, cfg.num_layers)
-    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
-    matmul_params = L * per_layer + E * V  # + LM head; the embedding is a lookup
-    attention = L * 4 * batch * H * D * context
-    bytes_read = 4 * (matmul_params + L * 2 * E + E) + 4 * batch * E
-    return 2 * batch * matmul_params + attention, bytes_read
-
-
-def kv_bytes(cfg, batch: int, slots: int) -> int:
-    """K and V bytes of ``slots`` context positions for ``batch`` rows, all layers (fp32)."""
-    return 2 * cfg.num_layers * batch * slots * cfg.num_kv_heads * cfg.head_dim * 4
 
 
 class DecodeBench:

@@ -18,52 +18,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-CONTEXT = 128  # tokens already in the cache of every request when the timed decode steps run
-
-
-def timed(fn, repeats: int) -> tuple[float, float, float]:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times), max(times)
-
-
-def machine_rates() -> tuple[float, float]:
-    """(matmul FLOP/s, memory bytes/s) measured with JAX on this machine."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((2048, 2048), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    t, _, _ = timed(lambda: matmul(a).block_until_ready(), 5)
-    flops = 2 * 2048**3 / t
-    # Read bandwidth (a decode step streams its weights): a reduction over a resident 1 GiB array, so no
-    # fresh output buffer's page faults are timed.
-    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    t, _, _ = timed(lambda: total(x).block_until_ready(), 5)
-    return flops, x.nbytes / t
-
-
-def step_cost(cfg, batch: int) -> tuple[float, float]:
-    """(FLOPs, bytes of weights read) of one decode step of the whole model at ``batch``."""
-    E, F, H, K, D, V, L = (
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.vocab_size,
-        cfg.num_layers,
-    )
-    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
-    matmul_params = L * per_layer + E * V  # + LM head; the embedding is a lookup
-    attention = L * 4 * batch * H * D * CONTEXT
-    bytes_read = 4 * (matmul_params + L * 2 * E + E) + 4 * batch * E
-    return 2 * batch * matmul_params + attention, bytes_read
+from machine_floor import CONTEXT, machine_rates, step_cost, timed  # noqa: E402  (this folder's; run as a script)
 
 
 def decode_times(
@@ -98,7 +53,11 @@ def decode_times(
         start = time.perf_counter()
         decode(b)
         print(f"batch {b}: first step (its compile included) {time.perf_counter() - start:.2f} s")
-    return {b: timed(lambda b=b: decode(b), repeats) for b in batches}
+    out = {}
+    for b in batches:
+        times = timed(lambda b=b: decode(b), repeats)
+        out[b] = (statistics.median(times), min(times), max(times))
+    return out
 
 
 # The probe's own peak RSS is VmHWM of /proc/self/status (the high-water mark of its address space,
@@ -165,7 +124,8 @@ def main() -> None:
 
     path = str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
     cfg = ModelConfig.from_pretrained(path)
-    flops_rate, bandwidth = machine_rates()
+    rates = machine_rates(references=False)
+    flops_rate, bandwidth = rates["flops"], rates["bandwidth"]
     print(
         f"machine: matmul {flops_rate / 1e9:.1f} GFLOP/s (2048^3 fp32), memory {bandwidth / 1e9:.2f} GB/s "
         f"read (a reduction over a resident 1 GiB array), {os.cpu_count()} CPUs"
