@@ -21,9 +21,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the sections
-from pipejax_benchmarks.sections.common import bench_model  # noqa: E402
-from pipejax_benchmarks.sections.decode import DecodeBench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"))
+from decode_floor import DecodeBench, bench_model  # noqa: E402  (the runner's benchmarks)
 
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest  # noqa: E402
 

@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the sections
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from pipejax_benchmarks.sections.common import bench_model  # noqa: E402
-from pipejax_benchmarks.sections.decode import DecodeBench, prefill_flops  # noqa: E402
+from decode_floor import DecodeBench, bench_model, prefill_flops  # noqa: E402  (the runner's benchmarks)
 
 from pipejax.runner import model  # noqa: E402
 

@@ -192,7 +192,8 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
     at the measured bandwidth."""
     from collections import Counter
 
-    from pipejax_benchmarks.sections.decode import DenseMatmuls, kv_bytes
+    from decode_floor import DenseMatmuls  # the runner's benchmarks (common put them on the path)
+    from machine_floor import kv_bytes
 
     matmuls = DenseMatmuls(cfg, panels=dots == "cpu-kernel")
     counts = Counter((b["tokens"], b["sampled"]) for b in steps)
