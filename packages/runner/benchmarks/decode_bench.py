@@ -14,48 +14,28 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from machine_floor import CONTEXT, machine_rates, step_cost, timed  # noqa: E402  (this folder's; run as a script)
+from decode_floor import DecodeBench  # noqa: E402  (this folder's; run as a script)
+from machine_floor import CONTEXT, machine_rates, step_cost, timed  # noqa: E402
 
 
 def decode_times(
     path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto",
     few_row_dots: str = "auto", dense_matmuls: str = "auto",
 ) -> dict[int, tuple[float, float, float]]:
-    import jax
-
-    from pipejax.pp_utils import stage_mesh
-    from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-    from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
-    from pipejax.runner.runner import StageRunner
-
-    block = 16
-    per_request = (CONTEXT + 64) // block + 1
-    cache = CacheConfig(block_size=block, num_blocks=1 + max(batches) * per_request)
-    limits = SchedulerConfig(max_num_seqs=max(batches))
-    runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
-                         decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots,
-                         dense_matmuls=dense_matmuls)
+    """(median, min, max) seconds of a decode step at each batch: ``decode_floor.DecodeBench``'s step (128 tokens
+    cached per request, sampling included), the runner built with these switches."""
+    bench = DecodeBench(path, batches, decode_attention, decode_layers, dense_matmuls, few_row_dots=few_row_dots)
+    runner = bench.runner
     print(f"decode attention: {runner.decode_attention}, decode layers: {runner.decode_layers}, "
           f"dense matmuls: {runner.dense_matmuls}, few-row dots: {runner.few_row_dots}")
-    greedy = SamplingParams(temperature=0)
-    step_ids = iter(range(10**9))
-
-    def decode(batch: int) -> None:
-        tables = [tuple(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(batch)]
-        reqs = tuple(ScheduledRequest(f"r{i}", (7,), CONTEXT, tables[i], greedy) for i in range(batch))
-        runner.execute(ModelBatch(next(step_ids), reqs))
-
-    for b in batches:
-        start = time.perf_counter()
-        decode(b)
-        print(f"batch {b}: first step (its compile included) {time.perf_counter() - start:.2f} s")
+    for b, seconds in bench.compile_steps(batches).items():
+        print(f"batch {b}: first step (its compile included) {seconds:.2f} s")
     out = {}
     for b in batches:
-        times = timed(lambda b=b: decode(b), repeats)
+        times = timed(lambda b=b: bench.step(b), repeats)
         out[b] = (statistics.median(times), min(times), max(times))
     return out
 

@@ -45,7 +45,7 @@ PREFILL_ROWS, PREFILL_LEN = 16, 128  # one 2048-token prefill step: 16 prompts x
 
 class DecodeBench:
     def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
-                 dense_matmuls: str = "auto", prefill_attention: str = "auto"):
+                 dense_matmuls: str = "auto", prefill_attention: str = "auto", few_row_dots: str = "auto"):
         import jax
 
         from pipejax.pp_utils import stage_mesh
@@ -59,7 +59,8 @@ class DecodeBench:
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
         self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
                                   decode_attention=decode_attention, decode_layers=decode_layers,
-                                  dense_matmuls=dense_matmuls, prefill_attention=prefill_attention)
+                                  dense_matmuls=dense_matmuls, prefill_attention=prefill_attention,
+                                  few_row_dots=few_row_dots)
         self.cfg = self.runner.cfg
         self._ids = iter(range(10**9))
 
