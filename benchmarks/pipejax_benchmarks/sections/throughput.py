@@ -187,12 +187,12 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
                 dots: str = "cpu-kernel") -> dict[str, Any]:
     """A floor for the run measured by running its parts, independent of the FLOP count and the 2048³ rate:
     the dense matmuls of each step's tokens as the engine runs them (every layer weight once; the LM head on the
-    rows it sampled), timed alone over resident weights (``decode.DenseMatmuls``) on ``dots`` ("cpu-kernel": the
+    rows it sampled), timed alone over resident weights (``dense_matmuls.DenseMatmuls``) on ``dots`` ("cpu-kernel": the
     CPU dense kernel over weights in panels; "xla": XLA's dot); plus the K/V bytes each decode token reads once
     at the measured bandwidth."""
     from collections import Counter
 
-    from decode_floor import DenseMatmuls  # the runner's benchmarks (common put them on the path)
+    from dense_matmuls import DenseMatmuls  # the runner's benchmarks (common put them on the path)
     from machine_floor import kv_bytes
 
     matmuls = DenseMatmuls(cfg, panels=dots == "cpu-kernel")
