@@ -78,3 +78,27 @@ def test_every_adjustment_matches_transformers_in_one_mixed_batch(setup):
     assert chosen <= set(CHOICES) and len(chosen) > 1, chosen  # the model's logits picked, not the grammar
     assert row0["bad pair"][:3] == first[:3] and row0["bad pair"][3] != first[3]  # banned after its first token
     assert len(row0["min_tokens"]) >= 6 and stop not in row0["min_tokens"][:6]  # plain stops at token 2
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary_as_transformers_computes_it(setup):
+    """``logprobs=-1`` (vLLM's meaning): every token's raw logprob at each generated position, best first, equal to
+    transformers' log-softmax on the same checkpoint (pp=2 x tp=2), next to a request asking for 2."""
+    import torch
+
+    llm, model, _ = setup
+    prompt = PROMPTS[2]
+    whole, two = llm.generate([{"prompt_token_ids": prompt}] * 2,
+                              [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1),
+                               SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)])
+    tokens = list(whole.outputs[0].token_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    expected = torch.log_softmax(logits, dim=-1).numpy()
+    vocab = expected.shape[1]
+    for pos, (lp, lp2) in enumerate(zip(whole.outputs[0].logprobs, two.outputs[0].logprobs, strict=True)):
+        ids = [t for t, _ in lp.top]
+        assert len(ids) == vocab and sorted(ids) == list(range(vocab)), pos
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True) and lp.rank == 1 and lp.top[0][0] == tokens[pos]
+        assert max(abs(v - expected[pos, t]) for t, v in lp.top) < 1e-4, pos
+        assert lp2.top == lp.top[:2]  # the same distribution, cut at 2

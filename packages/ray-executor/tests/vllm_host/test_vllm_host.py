@@ -236,6 +236,7 @@ def vllm_server(llama, ray_cluster):
     cmd = [str(vllm_cli), *(path if a == "/path/to/checkpoint" else a for a in argv[1:]),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "256",
            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
+           "--max-logprobs", "-1",
            "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}']
     env = {k: v for k, v in engine_env(**ray_cluster, **prefix).items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
     log = open(Path(path) / "serve.log", "w")  # noqa: SIM115 (closed below)
@@ -304,6 +305,18 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
     expected = torch.log_softmax(logits.double(), dim=-1)[torch.arange(len(want)), torch.tensor(want)]
     got = torch.tensor(scored.choices[0].logprobs.token_logprobs, dtype=torch.float64)
     assert torch.allclose(got, expected, atol=1e-4), (got, expected)
+    # logprobs=-1 (the server allows it with --max-logprobs -1): the whole vocabulary at each position
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=-1,
+                                      extra_body=exact)
+    everything = torch.log_softmax(logits[:2].double(), dim=-1)
+    ids_of: dict[str, list[int]] = {}  # keyed by token text: ids that decode alike (odd bytes) share a key
+    for t in range(everything.shape[1]):
+        ids_of.setdefault(tokenizer.decode([t]), []).append(t)
+    for pos, top in enumerate(whole.choices[0].logprobs.top_logprobs):
+        assert len(top) == len(ids_of), (len(top), len(ids_of))
+        # vLLM's detokenizer shows a lone odd byte as "" where transformers' shows "\ufffd"
+        assert all(min(abs(v - float(everything[pos, t])) for t in ids_of.get(text) or ids_of["\ufffd"]) < 1e-4
+                   for text, v in top.items())
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text

@@ -43,13 +43,16 @@ class StructuredOutputs:
         return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k))
 
 
+ALL_LOGPROBS = -1  # SamplingParams.logprobs asking for every token of the vocabulary (vLLM's -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (the established field names).
 
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. ``seed`` makes one request's samples reproducible whatever it is batched with.
-    ``logprobs=N`` returns the sampled token's logprob and the top N.
+    ``logprobs=N`` returns the sampled token's logprob and the top N (-1: every token of the vocabulary, as vLLM).
 
     What shapes the logits before sampling, with vLLM's meaning (``sampler.LogitsAdjustment``):
     ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative one of every token
@@ -110,8 +113,8 @@ class SamplingParams:
             problems.append(f"min_p={self.min_p!r} must be in [0, 1] (0 = disabled)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             problems.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            problems.append(f"logprobs={self.logprobs!r} must be an integer >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < ALL_LOGPROBS):
+            problems.append(f"logprobs={self.logprobs!r} must be an integer >= 0, or -1 for the whole vocabulary")
         if self.seed is not None and not isinstance(self.seed, int):
             problems.append(f"seed={self.seed!r} must be an integer")
         if any(not s for s in self.stop):

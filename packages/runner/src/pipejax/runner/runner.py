@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pipejax.pp_utils import IntermediateSpec, IntermediateTensors, TensorSpec, logical_sharding
-from pipejax.runner.batch import ModelBatch, SamplerOutput
+from pipejax.runner.batch import ALL_LOGPROBS, ModelBatch, SamplerOutput
 from pipejax.runner.checkpoint import load_stage_params
 from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
 from pipejax.runner.cpu import dots as cpu_dots
@@ -282,7 +282,9 @@ class StageRunner:
         ``bitmasks``: request id -> the token bitmask its structured output allows now (vLLM's layout)."""
         rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
         meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
+        vocab = self.cfg.vocab_size
         wanted = [r.sampling.logprobs for r in batch.requests]
+        wanted = [vocab if n == ALL_LOGPROBS else n if n is None else min(n, vocab) for n in wanted]
         asked = [n for n in wanted if n is not None]
         most = max(asked, default=0)
         num_logprobs = next((b for b in LOGPROB_BUCKETS if b >= most), most) if asked else None
