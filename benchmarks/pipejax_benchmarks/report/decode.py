@@ -125,7 +125,7 @@ def _parts(dd: dict[str, Any]) -> list[str]:
         out += ["", "The runner's decode steps on CPU run their dense matmuls on a hand-written kernel "
                 "(`StageRunner(dense_matmuls=...)`, \"cpu-kernel\" by default for float32 on CPU; "
                 "`pipejax.runner.cpu.dense`, an XLA FFI custom call compiled by numba). The stage stores each "
-                "dense weight in panels of 32 output columns (`model.Panels`), so that the kernel streams a "
+                "dense weight in panels of 32 output columns (`panels.Panels`), so that the kernel streams a "
                 "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps run "
                 "on it too. The dense matmuls alone, same rounds, median ms: "
                 + by_batch({n: t for n, t in loop.items() if t.get("kernel_ms")},

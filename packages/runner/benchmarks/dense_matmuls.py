@@ -19,7 +19,7 @@ class DenseMatmuls:
     """Every weight matrix of the model (random, resident; q/k/v and gate/up fused as the runner holds them) and
     one jit applying them all to an activation: the dots a step must run, timed alone. ``rows`` go through the
     layers, the first ``head_rows`` of them through the LM head (a decode step samples every row, a prefill step
-    only each prompt's last token). ``panels``: the weights in panels (``model.Panels``), multiplied by the CPU
+    only each prompt's last token). ``panels``: the weights in panels (``panels.Panels``), multiplied by the CPU
     dense kernel (``cpu_dense``), as a CPU stage's decode steps run them; else XLA's dot on [in, out] weights."""
 
     def __init__(self, cfg, panels: bool = False):

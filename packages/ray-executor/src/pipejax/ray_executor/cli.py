@@ -1,6 +1,6 @@
 """``pipejax`` command line: ``generate`` (offline generation), ``serve`` (the OpenAI-compatible server),
-``bench throughput`` and ``bench serve`` (the report of every benchmark is a script next to the package:
-``packages/ray-executor/benchmarks/report.py``).
+``bench throughput`` and ``bench serve`` (the report of every benchmark is ``benchmarks/report.py``, in the
+unpublished benchmarks package at the repository's root).
 
 JAX reads its device configuration once, at import; so this module sets the simulated-device
 environment first and imports everything JAX-related inside the command functions.

@@ -54,7 +54,7 @@ class SamplingParams:
     filters. ``seed`` makes one request's samples reproducible whatever it is batched with.
     ``logprobs=N`` returns the sampled token's logprob and the top N (-1: every token of the vocabulary, as vLLM).
 
-    What shapes the logits before sampling, with vLLM's meaning (``sampler.LogitsAdjustment``):
+    What shapes the logits before sampling, with vLLM's meaning (``logits_adjustment.LogitsAdjustment``):
     ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative one of every token
     in the prompt or the output; ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) subtract once per
     token present in the output and once per occurrence; ``logit_bias`` adds per token id (-100..100);

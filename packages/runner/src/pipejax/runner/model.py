@@ -180,7 +180,7 @@ def prefill_attention(q, k_layer, v_layer, query_start, start_pos, block_tables,
     context is gathered once [R, K, C, D]; the queries sharing a KV head are one matmul operand (GQA), and
     the query slots go in chunks that each score only the context a right-aligned row can see from them:
     chunk [lo, hi) ends at context slot C - Q + hi, which skips most of the causal triangle a dense
-    [Q, C] block computes and throws away (ray-executor's ``benchmarks/prefill_attention_share.py`` measures it).
+    [Q, C] block computes and throws away (``benchmarks/probes/prefill_attention_share.py`` measures it).
     q [T, H, D], k_layer/v_layer [N, block_size, K, D]. Returns [R, Q, H, D]."""
     T, H, D = q.shape
     _, block_size, K, _ = k_layer.shape

@@ -4,7 +4,7 @@ llguidance (guidance-ai's Rust grammar engine, one of vLLM's structured-output b
 because it depends on nothing else: xgrammar pulls torch and triton into the serving path, which pipejax keeps
 free of torch. It compiles JSON schemas, regexes, choices and Lark/GBNF grammars, and computes a batch's
 next-token bitmasks on its own threads (3.5-3.6 ms per step for 64 JSON rows of SmolLM2's 49152 tokens on 2 cores:
-benchmarks/constrained_step.py), in vLLM's layout, which the last stage's sampler applies as it applies vLLM's.
+benchmarks/probes/constrained_step.py), in vLLM's layout, which the last stage's sampler applies as it applies vLLM's.
 
 A request's matcher advances with each token it samples (``Request.append_token``); the scheduler asks for the
 bitmasks of the rows it schedules, which the engine computes while the batches already in flight run.

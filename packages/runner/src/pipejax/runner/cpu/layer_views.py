@@ -1,7 +1,7 @@
 """Per-layer views of a CPU stage's stacked layer weights, for decode steps whose layers are unrolled.
 
 On XLA:CPU a dot cannot read one layer of a stacked [L, ...] weight in place: the layer scan's dynamic slice
-copies every layer's weights before its dots read them, each step (``benchmarks/layer_loop_bench.py``). A
+copies every layer's weights before its dots read them, each step (``benchmarks/probes/layer_loop_bench.py``). A
 decode step is bound by reading its weights, so that copy is a large share of it. Here each layer of each
 stacked weight becomes an array of its own that aliases the stacked one's memory: the CPU backend adopts a
 64-byte-aligned host array as a device buffer without copying it, and a stacked weight's layers start at
