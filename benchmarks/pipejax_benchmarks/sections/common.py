@@ -83,16 +83,6 @@ def engine_kwargs(max_num_seqs: int = NUM_PROMPTS, max_num_batched_tokens: int =
     }
 
 
-def weight_bytes(model_path: str) -> int:
-    """Bytes of every tensor in the checkpoint (the full model's weights)."""
-    total = 0
-    for file in Path(model_path).glob("*.safetensors"):  # 8-byte header length, JSON header, data
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total += sum(t["data_offsets"][1] - t["data_offsets"][0] for k, t in header.items() if k != "__metadata__")
-    return total
-
-
 def load_average() -> list[float]:
     return list(os.getloadavg())
 
