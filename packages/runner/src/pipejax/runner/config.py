@@ -32,6 +32,41 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
+# Mixture-of-Experts architectures whose config pipejax reads (``MoeConfig.from_hf``); the stage model serves them
+# once its layers route tokens to experts (issue 40): until then they are refused by name with the others.
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A Mixture-of-Experts MLP, as transformers' Qwen3-MoE, Mixtral and Qwen2-MoE configure it."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's FFN width
+    norm_topk_prob: bool  # renormalise the top-k routing weights to sum to 1 (Mixtral always)
+    shared_expert_size: int = 0  # Qwen2-MoE: one shared expert of this width behind a sigmoid gate (0: none)
+    sparse_step: int = 1  # layer i is sparse when (i + 1) % sparse_step == 0 ...
+    dense_layers: tuple[int, ...] = ()  # ... and i is not one of these (mlp_only_layers); the others are dense
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, arch: str, hf: dict) -> MoeConfig:
+        """From a ``config.json`` (Qwen's ``num_experts``, which transformers 5 writes as ``num_local_experts``)."""
+        mixtral = arch == "MixtralForCausalLM"
+        return cls(
+            num_experts=hf.get("num_experts") or hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["intermediate_size" if mixtral else "moe_intermediate_size"],
+            norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),
+            shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0),
+            sparse_step=int(hf.get("decoder_sparse_step") or 1),
+            dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -58,6 +93,10 @@ class ModelConfig:
         """Convert a Hugging Face ``config.json`` dict (transformers 4.x or 5.x field names)."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and (moe := next((a for a in archs if a in MOE_ARCHITECTURES), None)):
+            raise ValueError(f"{moe} is a Mixture-of-Experts model: pipejax reads its routing (runner.moe) but its "
+                             f"stage model does not serve MoE layers yet; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; pipejax's JAX runner supports "
