@@ -1,6 +1,8 @@
-"""The MoE MLP (``runner.moe``) against transformers' own sparse blocks on the same weights, fp32: Qwen3-MoE
-(top-k renormalised), Mixtral (always renormalised) and Qwen2-MoE (not renormalised, a gated shared expert),
-alone and sharded over a 4-device stage mesh both ways (experts split over the devices, or each expert's width)."""
+"""Mixture-of-Experts models against transformers, fp32: the MoE MLP (``runner.moe``) against transformers' own
+sparse blocks on the same weights -- Qwen3-MoE (top-k renormalised), Mixtral (always renormalised) and Qwen2-MoE
+(not renormalised, a gated shared expert) -- alone and sharded over a 4-device stage mesh both ways (experts split
+over the devices, or each expert's width); then whole tiny checkpoints transformers saved, served by the stage
+model at pp x tp: logits and greedy decode."""
 
 import jax
 import numpy as np
@@ -82,8 +84,70 @@ def test_expert_parallelism_needs_whole_experts_per_device():
     assert moe_rules(False, 6, 4).mesh_axis("expert_mlp") == "tp"
 
 
-def test_a_moe_checkpoint_is_refused_by_name_until_its_layers_are_served():
-    from pipejax.runner.config import ModelConfig
+# --- whole models: transformers' tiny MoE checkpoints (per-expert tensors on disk), served by the stage model ----
+MODELS = {  # arch -> what its tiny config adds to TINY (4 layers, 8 experts, top 2)
+    "Qwen3MoeForCausalLM": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                head_dim=24),
+    "MixtralForCausalLM": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    "Qwen2MoeForCausalLM": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                shared_expert_intermediate_size=40),
+}
+MOE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45))]
 
-    with pytest.raises(ValueError, match="MixtralForCausalLM is a Mixture-of-Experts model"):
-        ModelConfig.from_hf({**BLOCKS["MixtralForCausalLM"][1].to_dict(), "architectures": ["MixtralForCausalLM"]})
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    from pipejax_test_support.hf_oracle import TINY
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(arch)
+            config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+            torch.manual_seed(0)
+            model = getattr(transformers, arch)(config_cls(**{**TINY, "num_hidden_layers": 4, **MODELS[arch]}))
+            model = model.float().eval()
+            with torch.no_grad():  # spread the router so the top-k choice differs from token to token
+                for name, p in model.named_parameters():
+                    if name.endswith("gate.weight") or "norm" in name:
+                        p.add_(torch.randn_like(p) * 0.3)
+            model.save_pretrained(path, safe_serialization=True, max_shard_size="200KB")
+            model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+            made[arch] = path, model
+        return made[arch]
+
+    return get
+
+
+MODEL_CASES = [("Qwen3MoeForCausalLM", 2, 2), ("MixtralForCausalLM", 2, 1),
+               ("MixtralForCausalLM", 1, 4), ("Qwen2MoeForCausalLM", 2, 2)]
+
+
+@pytest.mark.parametrize("arch,pp,tp", MODEL_CASES, ids=[f"{a}-pp{p}tp{t}" for a, p, t in MODEL_CASES])
+def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp):
+    """Logits within 1e-4 relative, and greedy decode token-identical, at pp x tp (experts split over tp)."""
+    from hf_oracle import ChainedStages, greedy_generate, prefill_batch
+    from pipejax_test_support import hf_greedy, hf_logits
+
+    path, model = moe_checkpoints(arch)
+    stages = ChainedStages(path, pp, tp, num_blocks=80)
+    assert all("layers.router" in s.params for s in stages.stages)
+    got = stages.logits(prefill_batch(MOE_PROMPTS))
+    for want, have in zip(hf_logits(model, MOE_PROMPTS), got, strict=True):
+        assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
+    stages = ChainedStages(path, pp, tp, num_blocks=80)  # a fresh KV cache for the decode
+    assert greedy_generate(stages, MOE_PROMPTS, 12, chunk=4) == hf_greedy(model, MOE_PROMPTS, 12)
+
+
+def test_a_stage_mixing_dense_and_moe_layers_is_refused_by_name(moe_checkpoints, tmp_path):
+    from pipejax.runner.config import ModelConfig, StageConfig
+    from pipejax.runner.model import param_specs
+
+    _, model = moe_checkpoints("Qwen2MoeForCausalLM")
+    cfg = ModelConfig.from_hf({**model.config.to_dict(), "decoder_sparse_step": 2})
+    assert [cfg.moe.is_sparse(i) for i in range(4)] == [False, True, False, True]
+    with pytest.raises(ValueError, match="stage 0 holds layers 0-1, some with dense MLPs and some with experts"):
+        param_specs(cfg, StageConfig(0, 2), 1)
+    assert "layers.gate_up" in param_specs(cfg, StageConfig(0, 4), 1)  # a stage of one dense layer
+    assert "layers.router" in param_specs(cfg, StageConfig(1, 4), 1)

@@ -51,11 +51,28 @@ def checkpoints(tmp_path_factory):
     @functools.cache
     def get(arch: str):
         path = tmp_path_factory.mktemp(arch)
-        model = make_checkpoint(path, arch, vocab_size=VOCAB)
+        model = make_moe_checkpoint(path) if arch == "MixtralForCausalLM" else make_checkpoint(path, arch,
+                                                                                                vocab_size=VOCAB)
         write_byte_tokenizer(path, VOCAB)
         return str(path), model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()]
 
     return get
+
+
+def make_moe_checkpoint(path) -> transformers.PreTrainedModel:
+    """A tiny Mixtral (8 experts, top 2) made and saved by transformers (per-expert tensors), its router spread so
+    that the chosen experts vary from token to token."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**{**TINY, "vocab_size": VOCAB, "num_hidden_layers": 4, "intermediate_size": 48,
+                                           "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None})
+    model = transformers.MixtralForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model
 
 
 def workload(seed: int = 0) -> list[list[list[int]]]:
@@ -83,6 +100,8 @@ LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split, extra enviro
     pytest.param("Qwen2ForCausalLM", 2, 2, "mp", "auto", {}, id="qwen2-pp2-tp2-mp-auto"),
     pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"},
                  id="llama-pp3-tp2-ray-compiled-graph-uneven"),
+    # Mixture-of-Experts: each expert's FFN split over the stage's 2 devices
+    pytest.param("MixtralForCausalLM", 2, 2, "mp", None, {}, id="mixtral-pp2-tp2-mp"),
 ]
 KV_BLOCKS = 24  # of 16 tokens: 16 concurrent prompts of up to 72 tokens do not fit, so vLLM preempts
 
@@ -96,7 +115,8 @@ def assert_same_tokens(got: list[list[list[int]]], want: list[list[list[int]]]) 
 
 @pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition", "env"), LAYOUTS)
 def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition, env):
-    path, _, want = checkpoints(arch)
+    path, model, want = checkpoints(arch)
+    num_layers = model.config.num_hidden_layers
     spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": workload(),
             "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
     if partition:
@@ -109,10 +129,10 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     assert all(len(s["devices"]) == tp for s in stats)  # ... owning its TP devices
     layers = [s["layers"] for s in stats]
     if partition == "auto":  # every stage derives the same cost-balanced split
-        assert sum(b - a for a, b in layers) == TINY["num_hidden_layers"]
+        assert sum(b - a for a, b in layers) == num_layers
     elif partition:
         assert [b - a for a, b in layers] == [int(n) for n in partition.split(",")]
-    assert layers[0][0] == 0 and layers[-1][1] == TINY["num_hidden_layers"]
+    assert layers[0][0] == 0 and layers[-1][1] == num_layers
     first = stats[0]
     assert first["prefix_hits"] > 0, "no request found its prefix in vLLM's prefix cache"
     assert first["resumed"] > 0, f"{KV_BLOCKS} KV blocks forced no preemption"

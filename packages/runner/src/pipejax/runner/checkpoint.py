@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import CheckpointError
-from pipejax.runner.model import LAYER_PREFIX, RULES, kv_heads_for_tp, panel_spec, param_specs
+from pipejax.runner.model import LAYER_PREFIX, RULES, has_moe_layers, kv_heads_for_tp, panel_spec, param_specs
 from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, panel_shape
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
@@ -49,7 +49,7 @@ def _panel_rows(n: int) -> int:
 Source = tuple[str, tuple[int, ...], int, Converter]
 
 
-def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[Source, ...]]:
+def _hf_layer_tensors(cfg: ModelConfig, tp: int, moe_layers: bool = False) -> dict[str, tuple[Source, ...]]:
     """Runner param name -> the HF tensors it is made of (``qkv`` of three, ``gate_up`` of two).
 
     HF tensors are read in chunks of whole units along their first axis (one attention head's rows,
@@ -109,6 +109,42 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int) -> dict[str, tuple[Source, ...]
     if cfg.qk_norm:
         table["q_norm"] = ((attn + "q_norm.weight", (D,), whole, same),)
         table["k_norm"] = ((attn + "k_norm.weight", (D,), whole, same),)
+    if moe_layers:
+        del table["gate_up"], table["down"]
+        table |= _hf_moe_tensors(cfg, half, transpose, whole)
+    return table
+
+
+def _hf_moe_tensors(cfg: ModelConfig, half, transpose, whole: int) -> dict[str, tuple[Source, ...]]:
+    """The MoE MLP's weights (``moe.moe_param_shapes``) from transformers' per-expert tensors: Mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``."""
+    moe, E = cfg.moe, cfg.hidden_size
+    X, Fm, Fs = moe.num_experts, moe.intermediate_size, moe.shared_expert_size
+    if cfg.architecture == "MixtralForCausalLM":
+        block, gate, up, down = "model.layers.{i}.block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = "model.layers.{i}.mlp.", "gate_proj", "up_proj", "down_proj"
+
+    def expert_half(e: int, c: int) -> Converter:  # [rows of Fm, E] -> expert e's [E, gate or up, rows]
+        return lambda w, r0, r1: ((slice(e, e + 1), slice(None), slice(c, c + 1), slice(r0, r1)), w.T[None, :, None])
+
+    def expert_down(e: int) -> Converter:  # [rows of E, Fm] -> expert e's [Fm, rows]
+        return lambda w, r0, r1: ((slice(e, e + 1), slice(None), slice(r0, r1)), w.T[None])
+
+    expert = block + "experts.{e}."
+    table = {
+        "router": ((block + "gate.weight", (X, E), whole, transpose),),
+        "experts_gate_up": tuple((expert.replace("{e}", str(e)) + f"{name}.weight", (Fm, E), whole, expert_half(e, c))
+                                 for e in range(X) for c, name in enumerate((gate, up))),
+        "experts_down": tuple((expert.replace("{e}", str(e)) + f"{down}.weight", (E, Fm), whole, expert_down(e))
+                              for e in range(X)),
+    }
+    if Fs:
+        shared = block + "shared_expert."
+        table["shared_gate_up"] = ((shared + "gate_proj.weight", (Fs, E), whole, half(0)),
+                                   (shared + "up_proj.weight", (Fs, E), whole, half(1)))
+        table["shared_down"] = ((shared + "down_proj.weight", (E, Fs), whole, transpose),)
+        table["shared_gate"] = ((block + "shared_expert_gate.weight", (1, E), whole, lambda w, r0, r1: ((), w[0])),)
     return table
 
 
@@ -159,7 +195,7 @@ def _host_params(
     if stage.is_last and not cfg.tie_word_embeddings:
         yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), _panel_rows(V), columns)
     layers = stage.layer_range(cfg)
-    for name, sources in _hf_layer_tensors(cfg, tp).items():
+    for name, sources in _hf_layer_tensors(cfg, tp, has_moe_layers(cfg, stage)).items():
         pieces = (
             piece
             for i, layer in enumerate(layers)

@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
@@ -32,9 +35,10 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
 
-# Mixture-of-Experts architectures whose config pipejax reads (``MoeConfig.from_hf``); the stage model serves them
-# once its layers route tokens to experts (issue 40): until then they are refused by name with the others.
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+# Mixture-of-Experts architectures (``MoeConfig``; their layers' MLPs are ``runner.moe``), and the dense one each
+# is otherwise (attention, norms, biases).
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "MistralForCausalLM", "Qwen2MoeForCausalLM": "Qwen2ForCausalLM",
+                     "Qwen3MoeForCausalLM": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +91,13 @@ class ModelConfig:
     dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # Mixture-of-Experts layers (None: every layer's MLP is dense)
 
     @classmethod
     def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
         """Convert a Hugging Face ``config.json`` dict (transformers 4.x or 5.x field names)."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and (moe := next((a for a in archs if a in MOE_ARCHITECTURES), None)):
-            raise ValueError(f"{moe} is a Mixture-of-Experts model: pipejax reads its routing (runner.moe) but its "
-                             f"stage model does not serve MoE layers yet; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or hf.get('model_type')!r}; pipejax's JAX runner supports "
@@ -116,15 +117,17 @@ class ModelConfig:
         )
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        if arch == "Qwen2ForCausalLM":
+        moe = MoeConfig.from_hf(arch, hf) if arch in MOE_ARCHITECTURES else None
+        arch_of_attention = MOE_ARCHITECTURES.get(arch, arch)
+        if arch_of_attention == "Qwen2ForCausalLM":
             window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-        elif arch == "MistralForCausalLM":
+        elif arch_of_attention == "MistralForCausalLM":
             window = hf.get("sliding_window")
         else:
             window = None
         if (
             window is not None
-            and arch == "Qwen2ForCausalLM"
+            and arch_of_attention == "Qwen2ForCausalLM"
             and hf.get("max_window_layers", 0) < hf["num_hidden_layers"]
         ):
             raise ValueError("Qwen2 with sliding window on only some layers (max_window_layers) is not supported")
@@ -134,7 +137,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or 0,  # a MoE model's dense layers' (if any)
             num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
@@ -143,11 +146,12 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rope=rope,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=arch_of_attention == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch_of_attention == "Qwen3ForCausalLM",
             sliding_window=window,
             dtype=dtype or _hf_dtype(hf),
             bos_token_id=hf.get("bos_token_id"),
+            moe=moe,
             eos_token_ids=eos_ids,
         )
 
@@ -165,9 +169,18 @@ class ModelConfig:
         cost"). A model, not a measurement."""
         h, heads, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = h * heads + 2 * h * kv + heads * h + (heads + 2 * kv if self.qkv_bias else 0)
-        layer = attention + 3 * h * self.intermediate_size + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attention + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         table, size, n = self.vocab_size * h, 2 if self.dtype == "bfloat16" else 4, self.num_layers
-        return PartCosts(layer_time=(float(layer),) * n, layer_bytes=(float(layer * size),) * n,
+        moe, dense = self.moe, 3 * h * self.intermediate_size
+        # a MoE layer reads every expert (a batch's tokens reach them all) but computes top_k of them per token
+        work = [layer + (dense if moe is None or not moe.is_sparse(i) else
+                         h * moe.num_experts + 3 * h * (moe.top_k * moe.intermediate_size + moe.shared_expert_size))
+                for i in range(n)]
+        held = [layer + (dense if moe is None or not moe.is_sparse(i) else
+                         h * moe.num_experts + 3 * h * (moe.num_experts * moe.intermediate_size
+                                                         + moe.shared_expert_size))
+                for i in range(n)]
+        return PartCosts(layer_time=tuple(map(float, work)), layer_bytes=tuple(float(b * size) for b in held),
                          first_time=0.0, first_bytes=float(table * size),
                          last_time=float(table + h), last_bytes=float((table + h) * size))
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import ModelConfig, StageConfig
+from pipejax.runner.moe import moe_mlp, moe_param_shapes
 from pipejax.runner.panels import PANEL, Panels, dense, outputs_first, panel_shape
 from pipejax.runner.rope import RopeTables, apply_rope, rope_inv_freq, rope_tables
 from pipejax.runner.step_inputs import StepInputs, StepShape
@@ -27,7 +28,8 @@ from pipejax.runner.step_inputs import StepInputs, StepShape
 # --- sharding: logical axes -> the stage mesh's "tp" axis -------------------------------------
 # Column-parallel q/k/v/gate/up (heads, mlp), row-parallel o/down, vocab-parallel embedding and
 # LM head. Everything else is replicated.
-RULES = ShardingRules({"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"})
+# A Mixture-of-Experts layer's experts are split like a dense MLP, each over its own width (``runner.moe``).
+RULES = ShardingRules({"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "expert_mlp": "tp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,10 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
     if cfg.qk_norm:
         specs["layers.q_norm"] = ParamSpec((L, D), (None, None))
         specs["layers.k_norm"] = ParamSpec((L, D), (None, None))
+    if has_moe_layers(cfg, stage):  # the MLPs are a MoE's: router, experts (and a shared expert)
+        del specs["layers.gate_up"], specs["layers.down"]
+        specs |= {f"layers.{name}": ParamSpec((L, *shape), (None, *axes))
+                  for name, (shape, axes) in moe_param_shapes(E, cfg.moe).items()}
     if stage.has_embedding(cfg):
         specs["embed"] = ParamSpec((V, E), ("vocab", "embed"))
     if stage.is_last:
@@ -97,6 +103,19 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
         if not cfg.tie_word_embeddings:
             specs["lm_head"] = ParamSpec((E, V), ("embed", "vocab"))
     return specs
+
+
+def has_moe_layers(cfg: ModelConfig, stage: StageConfig) -> bool:
+    """Whether the stage's layers are MoE layers (a stage's layers are all one kind: they share stacked weights)."""
+    if cfg.moe is None:
+        return False
+    layers = stage.layer_range(cfg)
+    kinds = {cfg.moe.is_sparse(i) for i in layers}
+    if len(kinds) > 1:
+        raise ValueError(f"stage {stage.pp_rank} holds layers {layers.start}-{layers.stop - 1}, some with dense MLPs "
+                         f"and some with experts (decoder_sparse_step / mlp_only_layers), which one stage cannot mix "
+                         f"yet; choose a --pp-layer-partition whose stages hold one kind each")
+    return kinds == {True}
 
 
 def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int, block_size: int) -> ParamSpec:
@@ -309,7 +328,8 @@ def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
     # x + o(out): (h, d) contracted in the weight's memory order (jnp.einsum orders them (d, h), and XLA then
     # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
     x = dense(out, p["o"], 2, kernel, residual=x)
-    x = mlp(rms_norm(x, p["post_norm"], eps), p, x, kernel)
+    normed = rms_norm(x, p["post_norm"], eps)
+    x = moe_mlp(normed, p, ctx.cfg.moe, x) if "router" in p else mlp(normed, p, x, kernel)
     return x, k_cache, v_cache
 
 
