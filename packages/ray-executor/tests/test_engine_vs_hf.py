@@ -78,9 +78,11 @@ def test_greedy_matches_transformers_under_preemption(references, arch, layout):
     assert got == expected
 
 
-def test_a_moe_model_matches_transformers_under_preemption(tmp_path):
+@pytest.mark.parametrize("backend,expert_parallel", [("uni", False), ("ray", True)])
+def test_a_moe_model_matches_transformers_under_preemption(tmp_path, backend, expert_parallel):
     """Mixtral (8 experts, top 2; transformers saves it with per-expert tensors) through the whole engine at pp=2 x
-    tp=2 (each expert's FFN split over the stage's 2 devices), 16 prompts chunked and preempted: greedy equal."""
+    tp=2, 16 prompts chunked and preempted: greedy equal. In process each expert's FFN is split over the stage's 2
+    devices; on Ray stage actors with expert parallelism, each device holds 4 whole experts."""
     import torch
     import transformers
     from oracle import TINY
@@ -97,10 +99,22 @@ def test_a_moe_model_matches_transformers_under_preemption(tmp_path):
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     expected = hf_greedy(model, PROMPTS, NEW_TOKENS)
     llm = LLM(str(tmp_path), pipeline_parallel_size=2, tensor_parallel_size=2, block_size=8, num_kv_blocks=30,
-              max_num_batched_tokens=64, warmup=False)
+              max_num_batched_tokens=64, warmup=False, distributed_executor_backend=backend,
+              enable_expert_parallel=expert_parallel)
     try:
+        assert llm.engine.config.worker_config(1).stage.expert_parallel is expert_parallel
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
     assert got == expected
+
+
+def test_expert_parallelism_over_a_tp_that_does_not_divide_the_experts_is_refused_before_any_stage_starts(tmp_path):
+    import transformers
+    from oracle import TINY
+
+    transformers.MixtralConfig(**{**TINY, "num_local_experts": 6, "num_experts_per_tok": 2},
+                               architectures=["MixtralForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by tensor_parallel_size=4; use a tp that"):
+        LLM(str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, warmup=False)

@@ -22,13 +22,14 @@ class ChainedStages:
     """All pp stages of a model in this process on disjoint devices, linked by in-process transports."""
 
     def __init__(self, path, pp: int, tp: int, partition=None, num_blocks: int = 128, block_size: int = 8,
+                 expert_parallel: bool = False,
                  decode_attention: str = "auto", decode_layers: str = "auto", few_row_dots: str = "auto",
                  dense_matmuls: str = "auto", prefill_attention: str = "auto", kernel_build: str = "wait", **cache):
         meshes = stage_meshes(jax.devices(), pp, tp)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, **cache)
         choices = dict(decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots,
                        dense_matmuls=dense_matmuls, prefill_attention=prefill_attention, kernel_build=kernel_build)
-        self.stages = [StageRunner(path, m, StageConfig(i, pp, partition), cache_cfg, **choices)
+        self.stages = [StageRunner(path, m, StageConfig(i, pp, partition, expert_parallel), cache_cfg, **choices)
                        for i, m in enumerate(meshes)]
         self.links = [InProcessTransport(f"stage {i}") for i in range(pp - 1)]
 

@@ -10,7 +10,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pipejax.pp_utils import stage_mesh
-from pipejax.runner.cpu.layer_views import per_layer
+from pipejax.runner.config import ModelConfig, StageConfig
+from pipejax.runner.cpu import layer_views
+
+
+def per_layer(params):
+    """``layer_views.per_layer`` for a one-stage dense model of as many layers as the stacked weights have."""
+    layers = next(w for n, w in params.items() if n.startswith("layers.")).shape[0]
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+                               "intermediate_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
+                               "num_key_value_heads": 1})
+    return layer_views.per_layer(params, cfg, StageConfig())
 
 
 def _stacked(mesh, shape, spec):
@@ -75,7 +85,7 @@ def test_the_runner_unrolls_cpu_decode_steps_and_falls_back_to_the_scan(tmp_path
     with pytest.raises(ValueError, match="decode_layers='loop'; use 'auto', 'scan' or 'unrolled'"):
         StageRunner(tmp_path, mesh, cache=cache, decode_layers="loop")
 
-    def refuse(params):
+    def refuse(params, cfg, stage):
         raise RuntimeError("layer 1 of a (2, 3) weight was copied, not aliased")
 
     monkeypatch.setattr(layer_views, "per_layer", refuse)

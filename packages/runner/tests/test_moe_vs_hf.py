@@ -92,6 +92,9 @@ MODELS = {  # arch -> what its tiny config adds to TINY (4 layers, 8 experts, to
     "Qwen2MoeForCausalLM": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                                 shared_expert_intermediate_size=40),
 }
+# Qwen2-MoE whose layers mix dense MLPs (layers 0 and 2: decoder_sparse_step=2) and MoE ones (1 and 3)
+MIXED = "Qwen2MoeForCausalLM-mixed"
+MODELS[MIXED] = {**MODELS["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2, "intermediate_size": 56}
 MOE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45))]
 
 
@@ -104,9 +107,10 @@ def moe_checkpoints(tmp_path_factory):
     def get(arch):
         if arch not in made:
             path = tmp_path_factory.mktemp(arch)
-            config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+            cls = arch.removesuffix("-mixed")
+            config_cls = getattr(transformers, cls.replace("ForCausalLM", "Config"))
             torch.manual_seed(0)
-            model = getattr(transformers, arch)(config_cls(**{**TINY, "num_hidden_layers": 4, **MODELS[arch]}))
+            model = getattr(transformers, cls)(config_cls(**{**TINY, "num_hidden_layers": 4, **MODELS[arch]}))
             model = model.float().eval()
             with torch.no_grad():  # spread the router so the top-k choice differs from token to token
                 for name, p in model.named_parameters():
@@ -120,34 +124,56 @@ def moe_checkpoints(tmp_path_factory):
     return get
 
 
-MODEL_CASES = [("Qwen3MoeForCausalLM", 2, 2), ("MixtralForCausalLM", 2, 1),
-               ("MixtralForCausalLM", 1, 4), ("Qwen2MoeForCausalLM", 2, 2)]
+# (arch, pp, tp, layer split, expert parallel): pairwise over pp {1, 2, 3} x tp {1, 2, 4} x EP on/off
+MODEL_CASES = [("Qwen3MoeForCausalLM", 2, 2, None, False), ("Qwen3MoeForCausalLM", 2, 2, None, True),
+               ("MixtralForCausalLM", 2, 1, None, False), ("MixtralForCausalLM", 1, 4, None, False),
+               ("MixtralForCausalLM", 1, 4, None, True), ("Qwen3MoeForCausalLM", 3, 1, (1, 2, 1), True),
+               ("Qwen2MoeForCausalLM", 2, 2, None, False), ("Qwen2MoeForCausalLM", 3, 2, (2, 1, 1), True),
+               # stages that mix dense and MoE layers: on one CPU device (panels, unrolled decode), and sharded
+               (MIXED, 2, 1, None, False), (MIXED, 2, 2, (3, 1), True)]
 
 
-@pytest.mark.parametrize("arch,pp,tp", MODEL_CASES, ids=[f"{a}-pp{p}tp{t}" for a, p, t in MODEL_CASES])
-def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp):
-    """Logits within 1e-4 relative, and greedy decode token-identical, at pp x tp (experts split over tp)."""
+def _case_id(arch, pp, tp, split, ep) -> str:
+    layout = f"pp{pp}tp{tp}" + ("-" + "".join(map(str, split)) if split else "") + ("-ep" if ep else "")
+    return f"{arch.replace('ForCausalLM', '')}-{layout}"
+
+
+@pytest.mark.parametrize("arch,pp,tp,split,ep", MODEL_CASES, ids=[_case_id(*c) for c in MODEL_CASES])
+def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp, split, ep):
+    """Logits within 1e-4 relative, and greedy decode token-identical, at pp x tp: each expert split over tp, or
+    with expert parallelism whole experts per device (each device then holds num_experts / tp of them)."""
     from hf_oracle import ChainedStages, greedy_generate, prefill_batch
     from pipejax_test_support import hf_greedy, hf_logits
 
     path, model = moe_checkpoints(arch)
-    stages = ChainedStages(path, pp, tp, num_blocks=80)
-    assert all("layers.router" in s.params for s in stages.stages)
+    stages = ChainedStages(path, pp, tp, split, num_blocks=80, expert_parallel=ep)
+    for stage in stages.stages:
+        experts = stage.params["layers.experts_down"]  # [MoE layers, X, Fm, E]
+        assert {s.data.shape[1:] for s in experts.addressable_shards} == {
+            (8 // tp, 48, 64) if ep else (8, 48 // tp, 64)}
+        if arch == MIXED:  # each kind's MLP weights stacked over its own layers
+            layers = stage.stage.layer_range(stage.cfg)
+            assert experts.shape[0] == len([i for i in layers if i % 2]), (layers, experts.shape)
+            down = stage.params.get("layers.down")  # in panels on one CPU device
+            dense = len([i for i in layers if not i % 2])
+            assert (down is None) if not dense else getattr(down, "data", down).shape[0] == dense
     got = stages.logits(prefill_batch(MOE_PROMPTS))
     for want, have in zip(hf_logits(model, MOE_PROMPTS), got, strict=True):
         assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
-    stages = ChainedStages(path, pp, tp, num_blocks=80)  # a fresh KV cache for the decode
+    stages = ChainedStages(path, pp, tp, split, num_blocks=80, expert_parallel=ep)  # a fresh KV cache
     assert greedy_generate(stages, MOE_PROMPTS, 12, chunk=4) == hf_greedy(model, MOE_PROMPTS, 12)
 
 
-def test_a_stage_mixing_dense_and_moe_layers_is_refused_by_name(moe_checkpoints, tmp_path):
+def test_each_kind_of_mlp_is_stacked_over_its_own_layers(moe_checkpoints):
     from pipejax.runner.config import ModelConfig, StageConfig
-    from pipejax.runner.model import param_specs
+    from pipejax.runner.model import layer_rows, param_specs
 
-    _, model = moe_checkpoints("Qwen2MoeForCausalLM")
-    cfg = ModelConfig.from_hf({**model.config.to_dict(), "decoder_sparse_step": 2})
-    assert [cfg.moe.is_sparse(i) for i in range(4)] == [False, True, False, True]
-    with pytest.raises(ValueError, match="stage 0 holds layers 0-1, some with dense MLPs and some with experts"):
-        param_specs(cfg, StageConfig(0, 2), 1)
-    assert "layers.gate_up" in param_specs(cfg, StageConfig(0, 4), 1)  # a stage of one dense layer
-    assert "layers.router" in param_specs(cfg, StageConfig(1, 4), 1)
+    _, model = moe_checkpoints(MIXED)
+    cfg = ModelConfig.from_hf({**model.config.to_dict(), "mlp_only_layers": [3]})
+    assert [cfg.moe.is_sparse(i) for i in range(4)] == [False, True, False, False]
+    stage = StageConfig(0, 1)
+    specs = param_specs(cfg, stage, 1)
+    assert specs["layers.router"].shape[0] == 1 and specs["layers.gate_up"].shape[:2] == (3, 64)
+    assert layer_rows(cfg, stage, "router") == (1,) and layer_rows(cfg, stage, "down") == (0, 2, 3)
+    assert layer_rows(cfg, stage, "qkv") == (0, 1, 2, 3)
+    assert "layers.router" not in param_specs(cfg, StageConfig(0, 4), 1)  # a stage of one dense layer

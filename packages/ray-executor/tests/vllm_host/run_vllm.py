@@ -36,6 +36,7 @@ def run_vllm(spec: dict) -> dict:
         enable_prefix_caching=True,
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
         seed=0,
+        enable_expert_parallel=spec.get("expert_parallel", False),
     )
     try:
         if "kill_stage" in spec:

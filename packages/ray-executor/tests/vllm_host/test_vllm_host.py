@@ -100,8 +100,8 @@ LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split, extra enviro
     pytest.param("Qwen2ForCausalLM", 2, 2, "mp", "auto", {}, id="qwen2-pp2-tp2-mp-auto"),
     pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"},
                  id="llama-pp3-tp2-ray-compiled-graph-uneven"),
-    # Mixture-of-Experts: each expert's FFN split over the stage's 2 devices
-    pytest.param("MixtralForCausalLM", 2, 2, "mp", None, {}, id="mixtral-pp2-tp2-mp"),
+    # Mixture-of-Experts with expert parallelism (``enable_expert_parallel``): 4 whole experts on each device
+    pytest.param("MixtralForCausalLM", 2, 2, "ray", None, {}, id="mixtral-pp2-tp2-ray-expert-parallel"),
 ]
 KV_BLOCKS = 24  # of 16 tokens: 16 concurrent prompts of up to 72 tokens do not fit, so vLLM preempts
 
@@ -117,8 +117,9 @@ def assert_same_tokens(got: list[list[list[int]]], want: list[list[list[int]]]) 
 def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition, env):
     path, model, want = checkpoints(arch)
     num_layers = model.config.num_hidden_layers
+    moe = arch == "MixtralForCausalLM"
     spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": workload(),
-            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS}
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS, "expert_parallel": moe}
     if partition:
         env = {**env, "VLLM_PP_LAYER_PARTITION": partition}
     got = run_engine(spec, **env)
@@ -127,6 +128,7 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     stats = got["stats"]
     assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
     assert all(len(s["devices"]) == tp for s in stats)  # ... owning its TP devices
+    assert [s["experts_per_device"] for s in stats] == [8 // tp if moe else 0] * pp  # whole experts per device
     layers = [s["layers"] for s in stats]
     if partition == "auto":  # every stage derives the same cost-balanced split
         assert sum(b - a for a, b in layers) == num_layers

@@ -223,8 +223,6 @@ def refuse_unsupported_config(vllm_config: VllmConfig) -> None:
     pc = vllm_config.parallel_config
     if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
         problems.append("context parallelism")
-    if pc.enable_expert_parallel:
-        problems.append("expert parallelism")
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV transfer / disaggregated prefill (kv_transfer_config)")
     if mc is not None and mc.logits_processors:

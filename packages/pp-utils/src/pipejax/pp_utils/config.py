@@ -15,6 +15,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pp_layer_partition: str | tuple[int, ...] | None = None
+    # Mixture-of-Experts layers: each tp device holds num_experts / tp whole experts (vLLM's
+    # --enable-expert-parallel); off, each expert's FFN is split over the tp devices like a dense MLP.
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str | None = None
 
     def __post_init__(self):

@@ -51,6 +51,9 @@ def _add_engine_args(p: argparse.ArgumentParser, **command_defaults) -> None:
     p.add_argument("--pp-layer-partition", default=None,
                    help="layers per stage, e.g. '5,6,5', or 'auto': balanced by each part's cost, modelled from the "
                    "weights it reads per step (the LM head's stage gets fewer layers); default: an even split")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="Mixture-of-Experts models: each of a stage's tp devices holds num_experts / tp whole experts "
+                   "(default: each expert's FFN is split over the tp devices)")
     p.add_argument("--distributed-executor-backend", choices=["uni", "ray"], default=None)
     p.add_argument("--model-impl", default=None,
                    help="'jax' (native) or 'torchax' (pipejax-torchax-bridge) (default {default})")

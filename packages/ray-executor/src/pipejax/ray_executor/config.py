@@ -76,7 +76,7 @@ class EngineConfig:
         par = self.parallel
         return WorkerConfig(
             model=self.model,
-            stage=StageConfig(pp_rank, par.pipeline_parallel_size, par.pp_layer_partition),
+            stage=StageConfig(pp_rank, par.pipeline_parallel_size, par.pp_layer_partition, par.enable_expert_parallel),
             tp_size=par.tensor_parallel_size,
             cache=self.cache,
             scheduler=self.scheduler,

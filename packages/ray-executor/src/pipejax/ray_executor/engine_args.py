@@ -136,6 +136,7 @@ def engine_config(
     pipeline_parallel_size: int | None = None,
     tensor_parallel_size: int | None = None,
     pp_layer_partition: str | tuple[int, ...] | None = None,
+    enable_expert_parallel: bool | None = None,
     distributed_executor_backend: str | None = None,
     dtype: str | None = None,
     seed: int | None = None,
@@ -204,6 +205,7 @@ def engine_config(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pp_layer_partition=env.get("pp_layer_partition"),
+            enable_expert_parallel=enable_expert_parallel,
             distributed_executor_backend=distributed_executor_backend,
         )),
         cache=CacheConfig(**_given(

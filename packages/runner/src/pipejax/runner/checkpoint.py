@@ -25,7 +25,15 @@ from jax.sharding import Mesh
 from pipejax.pp_utils import logical_sharding
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import CheckpointError
-from pipejax.runner.model import LAYER_PREFIX, RULES, has_moe_layers, kv_heads_for_tp, panel_spec, param_specs
+from pipejax.runner.model import (
+    LAYER_PREFIX,
+    kv_heads_for_tp,
+    layer_kinds,
+    layer_rows,
+    panel_spec,
+    param_specs,
+    stage_rules,
+)
 from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, panel_shape
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
@@ -49,7 +57,7 @@ def _panel_rows(n: int) -> int:
 Source = tuple[str, tuple[int, ...], int, Converter]
 
 
-def _hf_layer_tensors(cfg: ModelConfig, tp: int, moe_layers: bool = False) -> dict[str, tuple[Source, ...]]:
+def _hf_layer_tensors(cfg: ModelConfig, tp: int, kinds: tuple[bool, ...]) -> dict[str, tuple[Source, ...]]:
     """Runner param name -> the HF tensors it is made of (``qkv`` of three, ``gate_up`` of two).
 
     HF tensors are read in chunks of whole units along their first axis (one attention head's rows,
@@ -109,8 +117,9 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int, moe_layers: bool = False) -> di
     if cfg.qk_norm:
         table["q_norm"] = ((attn + "q_norm.weight", (D,), whole, same),)
         table["k_norm"] = ((attn + "k_norm.weight", (D,), whole, same),)
-    if moe_layers:
+    if all(kinds):  # ``kinds``: per layer of the stage, whether its MLP is a MoE
         del table["gate_up"], table["down"]
+    if any(kinds):
         table |= _hf_moe_tensors(cfg, half, transpose, whole)
     return table
 
@@ -195,12 +204,12 @@ def _host_params(
     if stage.is_last and not cfg.tie_word_embeddings:
         yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), _panel_rows(V), columns)
     layers = stage.layer_range(cfg)
-    for name, sources in _hf_layer_tensors(cfg, tp, has_moe_layers(cfg, stage)).items():
-        pieces = (
+    for name, sources in _hf_layer_tensors(cfg, tp, layer_kinds(cfg, stage)).items():
+        pieces = (  # row r of a stacked weight: its r-th layer (of its kind, for a MLP's: ``model.layer_rows``)
             piece
-            for i, layer in enumerate(layers)
+            for r, i in enumerate(layer_rows(cfg, stage, name))
             for template, hf_shape, unit, convert in sources
-            for piece in _chunks(ckpt, template.format(i=layer), hf_shape, unit, convert, (slice(i, i + 1),))
+            for piece in _chunks(ckpt, template.format(i=layers[i]), hf_shape, unit, convert, (slice(r, r + 1),))
         )
         yield f"layers.{name}", pieces
     if stage.is_last:
@@ -296,7 +305,7 @@ def open_checkpoint(path: str | Path) -> SafetensorsIndex:
     return gguf_file.GGUFIndex(path) if gguf_file.find_gguf(path) is not None else SafetensorsIndex(path)
 
 
-def _panels_for(name: str, spec, sharding, mesh: Mesh) -> tuple[int, int, Any] | None:
+def _panels_for(name: str, spec, sharding, mesh: Mesh, rules) -> tuple[int, int, Any] | None:
     """How ``name`` is stored in panels on ``mesh`` (``_place``'s ``panels``), or None to keep its own layout: a
     dense weight whose last dim, in every shard, is whole panels."""
     if name not in DENSE_WEIGHTS:
@@ -306,7 +315,7 @@ def _panels_for(name: str, spec, sharding, mesh: Mesh) -> tuple[int, int, Any] |
     boxes = sharding.devices_indices_map(tuple(spec.shape)).values()
     if packed is None or any(_bounds(box, tuple(spec.shape))[-1][0] % PANEL for box in boxes):
         return None
-    return lead, contracted, logical_sharding(mesh, packed.logical_axes, RULES)
+    return lead, contracted, logical_sharding(mesh, packed.logical_axes, rules)
 
 
 def use_panels(mesh: Mesh, cfg: ModelConfig) -> bool:
@@ -322,15 +331,15 @@ def load_stage_params(
     """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis). ``panels``: store the dense
     weights in panels (``panels.Panels``); None: where ``use_panels`` says so."""
     tp = mesh.shape["tp"]
-    specs = param_specs(cfg, stage, tp)
+    specs, rules = param_specs(cfg, stage, tp), stage_rules(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     panels = use_panels(mesh, cfg) if panels is None else panels
     params = {}
     with open_checkpoint(path) as ckpt:
         for name, pieces in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
-            sharding = logical_sharding(mesh, spec.logical_axes, RULES)
-            layout = _panels_for(name, spec, sharding, mesh) if panels else None
+            sharding = logical_sharding(mesh, spec.logical_axes, rules)
+            layout = _panels_for(name, spec, sharding, mesh, rules) if panels else None
             params[name] = _place(name, pieces, tuple(spec.shape), dtype, sharding, layout)
             if layout is not None:
                 params[name] = Panels(params[name])

@@ -71,6 +71,15 @@ class MoeConfig:
         )
 
 
+def check_expert_parallel(num_experts: int, tp: int) -> None:
+    """Expert parallelism puts num_experts / tp whole experts on each of a stage's devices: refused where tp does
+    not divide num_experts (checked by the engine before any stage starts, and by the stage's sharding rules)."""
+    if num_experts % tp:
+        raise ValueError(f"expert parallelism puts num_experts / tp whole experts on each device, but num_experts="
+                         f"{num_experts} is not divisible by tensor_parallel_size={tp}; use a tp that divides "
+                         f"{num_experts}, or turn expert parallelism off (each expert's FFN is then split over tp)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -238,6 +247,7 @@ class StageConfig:
     pp_rank: int = 0
     pp_size: int = 1
     partition: tuple[int, ...] | str | None = None  # None: the even rule; "auto": balanced by modelled cost
+    expert_parallel: bool = False  # MoE layers: whole experts per tp device, else each expert's FFN split over tp
 
     @property
     def is_first(self) -> bool:

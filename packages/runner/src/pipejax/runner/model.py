@@ -12,7 +12,7 @@ F MLP width, V vocab, L stage layers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import ModelConfig, StageConfig
-from pipejax.runner.moe import moe_mlp, moe_param_shapes
+from pipejax.runner.moe import moe_mlp, moe_param_shapes, moe_rules
 from pipejax.runner.panels import PANEL, Panels, dense, outputs_first, panel_shape
 from pipejax.runner.rope import RopeTables, apply_rope, rope_inv_freq, rope_tables
 from pipejax.runner.step_inputs import StepInputs, StepShape
@@ -28,8 +28,15 @@ from pipejax.runner.step_inputs import StepInputs, StepShape
 # --- sharding: logical axes -> the stage mesh's "tp" axis -------------------------------------
 # Column-parallel q/k/v/gate/up (heads, mlp), row-parallel o/down, vocab-parallel embedding and
 # LM head. Everything else is replicated.
-# A Mixture-of-Experts layer's experts are split like a dense MLP, each over its own width (``runner.moe``).
-RULES = ShardingRules({"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp", "expert_mlp": "tp"})
+RULES = ShardingRules({"heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp"})
+
+
+def stage_rules(cfg: ModelConfig, stage: StageConfig, tp: int) -> ShardingRules:
+    """The stage's rules: ``RULES``, and for a Mixture-of-Experts model its experts' (``moe.moe_rules``): each
+    expert split over its width, or with ``stage.expert_parallel`` whole experts per device."""
+    if cfg.moe is None:
+        return RULES
+    return ShardingRules({**RULES.rules, **moe_rules(stage.expert_parallel, cfg.moe.num_experts, tp).rules})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +89,6 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
         "layers.qkv": ParamSpec((L, E, K, H // K + 2, D), (None, "embed", "kv_heads", None, None)),
         "layers.o": ParamSpec((L, H, D, E), (None, "heads", None, "embed")),
         "layers.post_norm": ParamSpec((L, E), (None, "embed")),
-        "layers.gate_up": ParamSpec((L, E, 2, F), (None, "embed", None, "mlp")),
-        "layers.down": ParamSpec((L, F, E), (None, "mlp", "embed")),
     }
     if cfg.qkv_bias:
         specs["layers.q_bias"] = ParamSpec((L, H, D), (None, "heads", None))
@@ -92,9 +97,12 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
     if cfg.qk_norm:
         specs["layers.q_norm"] = ParamSpec((L, D), (None, None))
         specs["layers.k_norm"] = ParamSpec((L, D), (None, None))
-    if has_moe_layers(cfg, stage):  # the MLPs are a MoE's: router, experts (and a shared expert)
-        del specs["layers.gate_up"], specs["layers.down"]
-        specs |= {f"layers.{name}": ParamSpec((L, *shape), (None, *axes))
+    kinds = layer_kinds(cfg, stage)  # each kind's MLP weights are stacked over its own layers (``layer_rows``)
+    if dense_layers := kinds.count(False):
+        specs["layers.gate_up"] = ParamSpec((dense_layers, E, 2, F), (None, "embed", None, "mlp"))
+        specs["layers.down"] = ParamSpec((dense_layers, F, E), (None, "mlp", "embed"))
+    if moe_layers := kinds.count(True):  # a MoE's MLP: router, experts (and a shared expert)
+        specs |= {f"layers.{name}": ParamSpec((moe_layers, *shape), (None, *axes))
                   for name, (shape, axes) in moe_param_shapes(E, cfg.moe).items()}
     if stage.has_embedding(cfg):
         specs["embed"] = ParamSpec((V, E), ("vocab", "embed"))
@@ -105,17 +113,31 @@ def param_specs(cfg: ModelConfig, stage: StageConfig, tp: int) -> dict[str, Para
     return specs
 
 
-def has_moe_layers(cfg: ModelConfig, stage: StageConfig) -> bool:
-    """Whether the stage's layers are MoE layers (a stage's layers are all one kind: they share stacked weights)."""
-    if cfg.moe is None:
-        return False
-    layers = stage.layer_range(cfg)
-    kinds = {cfg.moe.is_sparse(i) for i in layers}
-    if len(kinds) > 1:
-        raise ValueError(f"stage {stage.pp_rank} holds layers {layers.start}-{layers.stop - 1}, some with dense MLPs "
-                         f"and some with experts (decoder_sparse_step / mlp_only_layers), which one stage cannot mix "
-                         f"yet; choose a --pp-layer-partition whose stages hold one kind each")
-    return kinds == {True}
+def layer_kinds(cfg: ModelConfig, stage: StageConfig) -> tuple[bool, ...]:
+    """Per layer of the stage: whether its MLP is a Mixture of Experts (Qwen2-MoE's decoder_sparse_step and
+    mlp_only_layers mix them with dense MLPs)."""
+    return tuple(cfg.moe is not None and cfg.moe.is_sparse(i) for i in stage.layer_range(cfg))
+
+
+DENSE_MLP_WEIGHTS = ("gate_up", "down")
+
+
+def layer_rows(cfg: ModelConfig, stage: StageConfig, name: str) -> tuple[int, ...]:
+    """The stage's layers (0-based within it) whose weights the stacked weight ``name`` (as ``stacked_layers``
+    names it) holds, in row order: every layer, or for an MLP weight the layers of its kind."""
+    kinds = layer_kinds(cfg, stage)
+    if name in DENSE_MLP_WEIGHTS or (cfg.moe is not None and name in moe_param_shapes(cfg.hidden_size, cfg.moe)):
+        return tuple(i for i, sparse in enumerate(kinds) if sparse == (name not in DENSE_MLP_WEIGHTS))
+    return tuple(range(len(kinds)))
+
+
+def per_layer_weights(rows: dict[str, Sequence], cfg: ModelConfig, stage: StageConfig) -> list[dict]:
+    """One dict per layer of the stage, from each stacked weight's rows (by ``stacked_layers``' names)."""
+    layers: list[dict] = [{} for _ in stage.layer_range(cfg)]
+    for name, ws in rows.items():
+        for row, i in enumerate(layer_rows(cfg, stage, name)):
+            layers[i][name] = ws[row]
+    return layers
 
 
 def kv_cache_spec(cfg: ModelConfig, stage: StageConfig, tp: int, num_blocks: int, block_size: int) -> ParamSpec:
@@ -336,6 +358,11 @@ def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
 # --- the stage -----------------------------------------------------------------------------------
 
 
+def _rows(w: jax.Array | Panels) -> list:
+    """A stacked weight's layers (panels: the whole stack and a layer index, as the dense kernel reads them)."""
+    return [Panels(w.data, i) for i in range(w.data.shape[0])] if isinstance(w, Panels) else list(w)
+
+
 def stage_forward(
     params: dict[str, jax.Array],
     kv_cache: tuple[jax.Array, jax.Array],  # ([L, N, block_size, K, D], same)
@@ -364,6 +391,10 @@ def stage_forward(
         return decoder_layer(x, p, k_all, v_all, idx, ctx)
 
     carry = (x, *kv_cache)
+    if "layers" not in params and len(set(layer_kinds(cfg, stage))) > 1:  # dense and MoE MLPs: no one scan body
+        rows = {n: _rows(w) for n, w in stacked_layers(params).items()}
+        params = {n: w for n, w in params.items() if not n.startswith(LAYER_PREFIX)}
+        params["layers"] = per_layer_weights(rows, cfg, stage)
     if "layers" in params:  # one array per layer and weight (``cpu.layer_views.per_layer``): the layers in turn
         for i, p in enumerate(params["layers"]):
             carry = layer(carry, p, i)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pipejax.pp_utils import ShardingRules
-from pipejax.runner.config import MoeConfig
+from pipejax.runner.config import MoeConfig, check_expert_parallel
 from pipejax.runner.panels import swiglu
 
 # --- sharding: tensor-parallel experts split each expert's width, expert parallelism whole experts ----------
@@ -27,10 +27,8 @@ EXPERT_PARALLEL = ShardingRules({"experts": "tp", "mlp": "tp"})
 
 def moe_rules(expert_parallel: bool, num_experts: int, tp: int) -> ShardingRules:
     """The rules of a stage's MoE weights; expert parallelism needs whole experts on every device."""
-    if expert_parallel and num_experts % tp:
-        raise ValueError(f"expert parallelism puts num_experts / tp whole experts on each device, but num_experts="
-                         f"{num_experts} is not divisible by tensor_parallel_size={tp}; use a tp that divides "
-                         f"{num_experts}, or turn expert parallelism off (each expert's FFN is then split over tp)")
+    if expert_parallel:
+        check_expert_parallel(num_experts, tp)
     return EXPERT_PARALLEL if expert_parallel else TP_EXPERTS
 
 

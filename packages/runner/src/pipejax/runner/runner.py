@@ -93,7 +93,7 @@ class StageRunner:
         self._decode_params = None  # per-layer views, where decode steps run the layers unrolled
         if self.selection.decode_layers == "unrolled":
             try:
-                self._decode_params = layer_views.per_layer(self.params)
+                self._decode_params = layer_views.per_layer(self.params, self.cfg, self.stage)
             except RuntimeError as e:  # a weight whose layers cannot be aliased: the scan, not a second copy
                 if decode_layers == "unrolled":
                     raise

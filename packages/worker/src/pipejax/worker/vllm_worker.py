@@ -167,7 +167,7 @@ class VllmStageWorker(WorkerBase):
                                      backend="gloo")
         ensure_model_parallel_initialized(1, pp)
         pp_rank = get_pp_group().rank_in_group
-        stage = StageConfig(pp_rank, pp, self.options.pp_layer_partition)
+        stage = StageConfig(pp_rank, pp, self.options.pp_layer_partition, pc.enable_expert_parallel)
         recv = send = None
         if pp > 1:
             from pipejax.pp_utils import TransferServerTransport
@@ -265,12 +265,14 @@ class VllmStageWorker(WorkerBase):
         """Not vLLM's: ``llm.collective_rpc("pipejax_stats")`` for tests and logs."""
         sw = self.stage_worker
         layers = sw.stage.layer_range(sw.model_config)
+        experts = getattr(sw.runner, "params", {}).get("layers.experts_down")  # [L, experts, Fm, E], sharded
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "pp_rank": sw.stage.pp_rank,
             "layers": (layers.start, layers.stop),
             "devices": [str(d) for d in sw.devices],
+            "experts_per_device": 0 if experts is None else experts.addressable_shards[0].data.shape[1],
             "num_blocks": sw.runner.num_blocks if sw.runner else 0,
             "activation_bytes_sent": self.stage_worker.activation_bytes_sent(),
             **self.model_runner.states.counts,

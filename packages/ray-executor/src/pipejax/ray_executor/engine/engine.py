@@ -25,7 +25,7 @@ from pipejax.ray_executor.executor.base import Executor, NoStageLost, StagesLost
 from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
-from pipejax.runner.config import AUTO_PARTITION, ModelConfig, auto_partition
+from pipejax.runner.config import AUTO_PARTITION, ModelConfig, auto_partition, check_expert_parallel
 from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class LLMEngine:
         requested_len = config.scheduler.max_model_len
         # max_model_len is resolved here, once, against the model; the stages get it resolved.
         parallel = checked_layout(config.parallel, config.platform_plugin)
+        if parallel.enable_expert_parallel and self.model_config.moe is not None:  # refused before stages start
+            check_expert_parallel(self.model_config.moe.num_experts, parallel.tensor_parallel_size)
         if parallel.pp_layer_partition == AUTO_PARTITION:  # resolved once: the stages get counts, the log one line
             counts = auto_partition(self.model_config, parallel.pipeline_parallel_size)
             parallel = dataclasses.replace(parallel, pp_layer_partition=counts)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipejax.runner.model import LAYER_PREFIX, stacked_layers
+from pipejax.runner.config import ModelConfig, StageConfig
+from pipejax.runner.model import LAYER_PREFIX, per_layer_weights, stacked_layers
 from pipejax.runner.panels import Panels
 
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
@@ -43,11 +44,10 @@ def _layers(w: jax.Array | Panels) -> list:
     return [Panels(v) for v in _layers_of(w.data)] if isinstance(w, Panels) else _layers_of(w)
 
 
-def per_layer(params: dict[str, jax.Array | Panels]) -> dict:
+def per_layer(params: dict[str, jax.Array | Panels], cfg: ModelConfig, stage: StageConfig) -> dict:
     """``params`` with its stacked ``layers.*`` weights replaced by ``"layers"``: one dict per layer of arrays
     aliasing them (CPU devices only; raises where a layer larger than ``MAX_COPIED_BYTES`` would be copied)."""
     views = {name: _layers(w) for name, w in stacked_layers(params).items()}
-    num_layers = len(next(iter(views.values())))
     out = {name: w for name, w in params.items() if not name.startswith(LAYER_PREFIX)}
-    out["layers"] = [{name: arrays[i] for name, arrays in views.items()} for i in range(num_layers)]
+    out["layers"] = per_layer_weights(views, cfg, stage)
     return out

@@ -50,7 +50,7 @@ def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
     XLA's dot over the weight's own layout."""
     from pipejax.runner.cpu import dense as cpu_dense
 
-    E, F = cfg.hidden_size, cfg.intermediate_size
+    E, F = cfg.hidden_size, max(PANEL, -(-cfg.intermediate_size // PANEL) * PANEL)  # whole panels
     rng = np.random.default_rng(0)
     with jax.default_device(device):
         x, w = _random(rng, (rows, E), 1.0), _random(rng, (E, 2 * F))
