@@ -177,3 +177,12 @@ def test_each_kind_of_mlp_is_stacked_over_its_own_layers(moe_checkpoints):
     assert layer_rows(cfg, stage, "router") == (1,) and layer_rows(cfg, stage, "down") == (0, 2, 3)
     assert layer_rows(cfg, stage, "qkv") == (0, 1, 2, 3)
     assert "layers.router" not in param_specs(cfg, StageConfig(0, 4), 1)  # a stage of one dense layer
+
+
+def test_an_unknown_moe_architecture_is_refused_naming_those_that_load():
+    from pipejax.runner.config import ModelConfig
+
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 16, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match=r"unsupported architecture \['DeepseekV3ForCausalLM'\]; .*"
+                                         r"MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
+        ModelConfig.from_hf(hf)
