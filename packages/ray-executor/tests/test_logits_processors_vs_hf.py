@@ -102,3 +102,25 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_as_transformers_computes_it(
         assert values == sorted(values, reverse=True) and lp.rank == 1 and lp.top[0][0] == tokens[pos]
         assert max(abs(v - expected[pos, t]) for t, v in lp.top) < 1e-4, pos
         assert lp2.top == lp.top[:2]  # the same distribution, cut at 2
+
+
+def test_prompt_logprobs_are_transformers_log_softmax_over_the_prompt(setup):
+    """``prompt_logprobs=3`` (vLLM's meaning): None for the first prompt token, then each token's raw logprob given
+    those before it, its rank and the top 3, equal to transformers' (pp=2 x tp=2), beside a request asking for none
+    (which then gets None, and the same tokens as alone)."""
+    from pipejax_test_support import hf_prompt_logprobs
+
+    llm, model, _ = setup
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    asked, plain = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+                                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)])
+    assert plain.prompt_logprobs is None
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=4,
+                                                                              ignore_eos=True))[0]
+    assert asked.outputs[0].token_ids == alone.outputs[0].token_ids
+    got = asked.prompt_logprobs
+    assert len(got) == len(prompts[0]) and got[0] is None
+    for lp, (logprob, rank, top) in zip(got[1:], hf_prompt_logprobs(model, prompts[:1], 3)[0], strict=True):
+        assert abs(lp.sampled - logprob) < 1e-4 * max(1.0, abs(logprob))
+        assert lp.rank == rank and [t for t, _ in lp.top] == top

@@ -90,6 +90,18 @@ def test_completions_chat_and_streaming(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == two.usage.completion_tokens // 4
     assert all(len(top) <= 2 for top in lp.top_logprobs)
 
+    # vLLM's prompt_logprobs: None, then per prompt token {id: {logprob, rank, decoded_token}}, itself and the top 2
+    prompt = [5, 17, 9, 42, 8]
+    scored = client.completions.create(prompt=prompt, extra_body={"prompt_logprobs": 2}, **greedy).choices[0]
+    entries = scored.model_extra["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for token, entry in zip(prompt[1:], entries[1:], strict=True):
+        assert list(entry)[0] == str(token) and 1 <= len(entry) <= 3, entry
+        assert entry[str(token)]["logprob"] <= 0 and entry[str(token)]["rank"] >= 1
+    first = next(iter(client.completions.create(prompt=prompt, stream=True, extra_body={"prompt_logprobs": 2},
+                                                **greedy)))
+    assert first.choices[0].model_extra["prompt_logprobs"] == entries  # streamed: with the first chunk
+
     messages = [{"role": "user", "content": "Say hi"}]
     chat = client.chat.completions.create(messages=messages, **greedy)
     assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
@@ -153,7 +165,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(server, client):
         '{"prompt": "x", "logit_bias": {"99999": 5}}': "[99999] outside the vocabulary",
         '{"prompt": "x", "logit_bias": {"1": 500}}': "each bias must be in [-100, 100]",
         '{"prompt": "x", "min_tokens": 5, "max_tokens": 2}': "min_tokens=5 must not exceed max_tokens=2",
-        '{"prompt": "x", "prompt_logprobs": 1}': "prompt_logprobs=1 is not supported",
+        '{"prompt": "x", "prompt_logprobs": -2}': "prompt_logprobs=-2 must be an integer >= 0, or -1",
         '{"max_tokens": 3}': "prompt",
     }
     for body, expected in cases.items():

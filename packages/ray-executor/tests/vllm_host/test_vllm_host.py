@@ -339,6 +339,16 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
         # vLLM's detokenizer shows a lone odd byte as "" where transformers' shows "\ufffd"
         assert all(min(abs(v - float(everything[pos, t])) for t in ids_of.get(text) or ids_of["\ufffd"]) < 1e-4
                    for text, v in top.items())
+    # prompt_logprobs: each prompt token's logprob given those before it, its rank and the top 2, as transformers'
+    from pipejax_test_support import hf_prompt_logprobs
+
+    entries = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+                                        extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    for token, entry, (logprob, rank, top) in zip(prompt[1:], entries[1:], hf_prompt_logprobs(model, [prompt], 2)[0],
+                                                   strict=True):
+        assert abs(entry[str(token)]["logprob"] - logprob) < 1e-4 and entry[str(token)]["rank"] == rank, entry
+        assert {int(t) for t in entry} == {token, *top}, (entry, top)
     streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in streamed) == done.choices[0].text
@@ -415,11 +425,11 @@ def test_vllm_serve_structured_outputs_hold_at_temperature_1(vllm_server):
     assert not all(re.fullmatch(r"(yes|no|maybe)|(yes|no)-[0-9]{3}", t) for t in free), free  # unconstrained
 
 
-def test_vllm_serve_refuses_unsupported_sampling_and_keeps_serving(vllm_server):
+def test_vllm_serve_refuses_bad_sampling_and_keeps_serving(vllm_server):
     import openai
 
     client = openai.OpenAI(base_url=f"{vllm_server}/v1", api_key="unused", timeout=120)
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": 1})
+        client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, extra_body={"prompt_logprobs": -5})
     ok = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0)
     assert ok.choices[0].text is not None and ok.usage.completion_tokens >= 1

@@ -72,7 +72,7 @@ def test_unsupported_engine_configs_are_refused_by_name(checkpoint, kwargs, name
         EngineArgs(model=checkpoint, **kwargs).create_engine_config()
 
 
-@pytest.mark.parametrize("kwargs", [{"prompt_logprobs": 2}])
+@pytest.mark.parametrize("kwargs", [{"prompt_logprob_token_ids": [[3]]}])
 def test_unsupported_sampling_is_refused_by_name(kwargs):
     params = vllm.SamplingParams(**kwargs)
     name = next(iter(kwargs))
@@ -88,6 +88,7 @@ def test_supported_sampling_translates():
     assert (ours.temperature, ours.top_p, ours.top_k, ours.min_p, ours.seed, ours.logprobs) == (
         0.7, 0.9, 20, 0.05, 3, 4)
     assert to_sampling_params(vllm.SamplingParams(logprobs=-1)).logprobs == -1  # the whole vocabulary
+    assert to_sampling_params(vllm.SamplingParams(prompt_logprobs=2)).prompt_logprobs == 2
     greedy = to_sampling_params(vllm.SamplingParams(temperature=0, top_p=0.5, top_k=3))
     assert (greedy.temperature, greedy.top_p, greedy.top_k) == (0.0, 1.0, 0)
     shaped = vllm.SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,

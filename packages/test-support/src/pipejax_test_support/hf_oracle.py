@@ -56,6 +56,20 @@ def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
         return [model(torch.tensor([p])).logits[0, -1].float().numpy() for p in prompts]
 
 
+def hf_prompt_logprobs(model, prompts: list[list[int]], top: int) -> list[list[tuple[float, int, list[int]]]]:
+    """Per prompt, per prompt token after the first: (its logprob given the tokens before it, its rank in the
+    vocabulary, the ids of the ``top`` most likely tokens there), from transformers' log-softmax."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            logprobs = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+            ranks = 1 + (logprobs > chosen[:, None]).sum(dim=1)
+            tops = logprobs.topk(top, dim=1).indices
+            out.append([(float(c), int(r), t.tolist()) for c, r, t in zip(chosen, ranks, tops, strict=True)])
+    return out
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
     model.generation_config.eos_token_id = None

@@ -86,7 +86,7 @@ class LLM:
         children = [finished[f"{parent}-{k}"] for k in range(n)]
         outputs = [dataclasses.replace(c.outputs[0], index=k) for k, c in enumerate(children)]
         first = children[0]
-        return RequestOutput(parent, first.prompt, first.prompt_token_ids, outputs, True)
+        return RequestOutput(parent, first.prompt, first.prompt_token_ids, outputs, True, first.prompt_logprobs)
 
     def shutdown(self) -> None:
         self.engine.shutdown()

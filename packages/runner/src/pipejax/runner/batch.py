@@ -53,6 +53,7 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those
     filters. ``seed`` makes one request's samples reproducible whatever it is batched with.
     ``logprobs=N`` returns the sampled token's logprob and the top N (-1: every token of the vocabulary, as vLLM).
+    ``prompt_logprobs=N`` likewise for each prompt token after the first, given the tokens before it (vLLM's).
 
     What shapes the logits before sampling, with vLLM's meaning (``logits_adjustment.LogitsAdjustment``):
     ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative one of every token
@@ -75,6 +76,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -115,6 +117,10 @@ class SamplingParams:
             problems.append(f"max_tokens={self.max_tokens!r} must be an integer >= 1")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < ALL_LOGPROBS):
             problems.append(f"logprobs={self.logprobs!r} must be an integer >= 0, or -1 for the whole vocabulary")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < ALL_LOGPROBS):
+            problems.append(f"prompt_logprobs={self.prompt_logprobs!r} must be an integer >= 0, or -1 for the whole "
+                            f"vocabulary")
         if self.seed is not None and not isinstance(self.seed, int):
             problems.append(f"seed={self.seed!r} must be an integer")
         if any(not s for s in self.stop):
@@ -181,6 +187,9 @@ class ScheduledRequest:
     # what the request's grammar allows next (structured outputs): i32 words as bytes, bit t % 32 of word t // 32
     # allowing token t (vLLM's layout); None: no constraint
     token_bitmask: bytes | None = None
+    # where ``sampling.prompt_logprobs`` asks for them and this step computes prompt tokens: the prompt token each
+    # of ``token_ids`` is followed by (one fewer where the chunk ends the prompt); else None
+    prompt_targets: tuple[int, ...] | None = None
 
     @property
     def end_position(self) -> int:
@@ -215,3 +224,6 @@ class SamplerOutput:
     request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] = ()
+    # (request id, one TokenLogprobs per ``ScheduledRequest.prompt_targets`` token) for the requests that asked for
+    # prompt logprobs this step, whether or not they sample
+    prompt_logprobs: tuple[tuple[str, tuple[TokenLogprobs, ...]], ...] = ()

@@ -88,7 +88,7 @@ class Buckets:
         if prefill and num_decode:
             deepest = max(n for n, r in zip(needed, reqs, strict=True) if len(r.token_ids) > 1)
             Bp = pick(self.blocks, deepest, "KV blocks of one request")
-        return StepShape(T, P, Q, Rd, B, Bp if Bp < B else 0)
+        return StepShape(T, P, Q, Rd, B, Bp if Bp < B else 0, any(r.prompt_targets for r in reqs))
 
     def count(self) -> int:
         """An upper bound on the distinct step shapes."""

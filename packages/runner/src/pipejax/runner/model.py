@@ -413,8 +413,16 @@ def stage_forward(
     x, k_all, v_all = carry
     if not stage.is_last:
         return x, (k_all, v_all)
-    x = rms_norm(x[inp.sample_index], params["final_norm"], cfg.rms_norm_eps)  # [R, E]
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
-    logits = dense(x, head, 1, kernels.dense).astype(jnp.float32)
+    logits = lm_head(x[inp.sample_index], params, cfg, kernels)  # [R, V]
+    if shape.prompt_hidden:  # and every token's final hidden states, for prompt logprobs (``prompt_logprobs``)
+        return (logits, x), (k_all, v_all)
     return logits, (k_all, v_all)
+
+
+def lm_head(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, kernels: Kernels = NO_KERNELS) -> jax.Array:
+    """Float32 logits [n, V] of final hidden states x [n, E]: the final norm, then the LM head (the tied embedding
+    where tied)."""
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
+    return dense(x, head, 1, kernels.dense).astype(jnp.float32)
 

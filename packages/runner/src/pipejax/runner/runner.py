@@ -24,6 +24,7 @@ from pipejax.runner.cpu.select import KERNEL_NAMES, KernelOptions, Selection, bu
 from pipejax.runner.inputs import Buckets, build_step_inputs
 from pipejax.runner.model import RULES, StepInputs, StepShape, kv_cache_spec
 from pipejax.runner.model_impl import NATIVE, get_model_impl
+from pipejax.runner.prompt_logprobs import prompt_logprobs, scorer
 from pipejax.runner.sampler import LogitsAdjustment, SamplingMetadata, to_sampler_output
 from pipejax.runner.sampler import sample as sample_tokens
 
@@ -63,6 +64,7 @@ class StageRunner:
         self.mesh = mesh
         self.stage = stage
         self.cfg = model_config or ModelConfig.from_pretrained(model_path)
+        self._prompt_scorer = scorer(self.cfg)
         self.tp = mesh.shape["tp"]
         self.limits = scheduler.for_model(self.cfg)
         self.max_model_len = self.limits.max_model_len
@@ -72,7 +74,7 @@ class StageRunner:
             self.limits.max_num_batched_tokens, self.limits.max_num_seqs, self.max_model_len, self.block_size
         )
         self.seed = seed
-        self.impl = get_model_impl(model_impl)
+        self.impl, self.impl_name = get_model_impl(model_impl), model_impl
         self._kernel_options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers,
                                              few_row_dots, kernel_build)
         # which CPU kernels run here: measured against XLA's formulation on this host where asked "auto"
@@ -228,7 +230,10 @@ class StageRunner:
 
     def forward(self, inputs: StepInputs, shape: StepShape, hidden_in: jax.Array | None = None) -> jax.Array:
         """The jitted step on prepared inputs (it writes the KV cache): hidden states [T, E], or on the
-        last stage logits [rows, V]. ``hidden_in``: the previous stage's hidden states (non-first stages)."""
+        last stage logits [rows, V] (with ``shape.prompt_hidden``: and every token's final hidden states [T, E]).
+        ``hidden_in``: the previous stage's hidden states (non-first stages)."""
+        if shape.prompt_hidden and not self.stage.is_last:  # only the last stage scores prompts: no second program
+            shape = shape._replace(prompt_hidden=False)
         if self._kernel_build is not None:
             self.adopt_built_kernels()
         if shape not in self.compiled_shapes:
@@ -276,10 +281,13 @@ class StageRunner:
         out, _ = self.forward_batch(batch, intermediate)
         return np.asarray(out)[: len(batch.requests)]
 
-    def sample(self, batch: ModelBatch, logits: jax.Array, num_rows: int,
+    def sample(self, batch: ModelBatch, logits: jax.Array | tuple[jax.Array, jax.Array], num_rows: int,
                bitmasks: Mapping[str, np.ndarray] | None = None) -> SamplerOutput:
-        """Last stage: the sampled tokens of ``batch``'s sampling rows from its step's logits ([num_rows, V]);
-        ``bitmasks``: request id -> the token bitmask its structured output allows now (vLLM's layout)."""
+        """Last stage: the sampled tokens of ``batch``'s sampling rows from its step's logits ([num_rows, V]), and
+        the prompt logprobs its requests' ``prompt_targets`` ask for (``logits`` is then the step's (logits, final
+        hidden states)); ``bitmasks``: request id -> the token bitmask its structured output allows now (vLLM's
+        layout)."""
+        logits, hidden = logits if isinstance(logits, tuple) else (logits, None)
         rows = [(r.sampling, r.output_index, r.request_id) for r in batch.requests]
         meta = SamplingMetadata.build(rows, num_rows, step_seed=hash((self.seed, batch.step_id)) & 0x7FFFFFFF)
         vocab = self.cfg.vocab_size
@@ -291,8 +299,16 @@ class StageRunner:
         adjust = LogitsAdjustment.build(batch.requests, num_rows, self.cfg.vocab_size, bitmasks)
         result = sample_tokens(logits, meta, num_logprobs=num_logprobs, adjust=adjust)
         keep = [i for i, r in enumerate(batch.requests) if r.sample]  # a prefill chunk short of the end samples none
-        return to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted,
-                                 keep=keep)
+        out = to_sampler_output(batch.step_id, [r.request_id for r in batch.requests], result, len(rows), wanted,
+                                keep=keep)
+        if not any(r.prompt_targets for r in batch.requests):
+            return out
+        if hidden is None:
+            raise ValueError(f"prompt_logprobs: model_impl={self.impl_name!r} does not return the hidden states they "
+                             f"are computed from; use model_impl='jax' or leave prompt_logprobs out")
+        head = {name: w for name, w in self.params.items() if name in ("final_norm", "embed", "lm_head")}
+        scored = prompt_logprobs(self._prompt_scorer, head, hidden, batch, vocab)
+        return dataclasses.replace(out, prompt_logprobs=scored)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -26,6 +26,8 @@ class StepShape(NamedTuple):
     # by the decode rows' longer contexts; the prefill group's dense attention then scores only Bp blocks (the
     # benchmark's 16 x 128-token prefills beside 64 decode rows: 8 blocks, not 12).
     prefill_blocks: int = 0
+    # the last stage also returns every token's final hidden states [T, E] (for prompt logprobs)
+    prompt_hidden: bool = False
 
     @property
     def rows(self) -> int:

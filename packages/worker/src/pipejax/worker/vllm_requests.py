@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
+from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest, TokenLogprobs
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 
@@ -28,12 +28,9 @@ class UnsupportedFeatureError(ValueError):
 def unsupported_sampling(params) -> list[str]:
     """What of vLLM's ``SamplingParams`` pipejax cannot honour, each named with its value (empty: all fine)."""
     found = []
-    for name in ("prompt_logprobs", "logits_processors"):  # structured outputs: vLLM sends their bitmasks
-        value = getattr(params, name, None)
-        if value:
+    for name in ("logits_processors", "prompt_logprob_token_ids"):  # structured outputs: vLLM sends their bitmasks
+        if value := getattr(params, name, None):
             found.append(f"{name}={value!r}")
-    if getattr(params, "prompt_logprobs", None) == 0:
-        found.append("prompt_logprobs=0")
     return found
 
 
@@ -52,6 +49,7 @@ def to_sampling_params(params) -> SamplingParams:
         seed=params.seed,
         max_tokens=None,
         logprobs=params.logprobs,
+        prompt_logprobs=getattr(params, "prompt_logprobs", None),
         # penalties and logits shaping, as vLLM's sampler applies them (its processor tokenized the bad words)
         repetition_penalty=float(getattr(params, "repetition_penalty", 1.0)),
         presence_penalty=float(getattr(params, "presence_penalty", 0.0)),
@@ -71,6 +69,14 @@ class RequestState:
     block_ids: list[int]
     sampling: SamplingParams
     num_computed: int = 0
+    # with prompt_logprobs: prompt token i + 1's at [i], filled chunk by chunk until the prompt is done (then None)
+    prompt_scores: list[TokenLogprobs | None] | None = None
+
+    def prompt_targets(self, start: int, end: int) -> tuple[int, ...] | None:
+        """The prompt token that follows each of tokens ``start:end``, while prompt logprobs are owed."""
+        if self.prompt_scores is None or start >= self.prompt_len - 1:
+            return None
+        return tuple(self.tokens[start + 1 : min(end + 1, self.prompt_len)])
 
 
 class RequestStates:
@@ -92,8 +98,9 @@ class RequestStates:
                 prompt_len=len(new.prompt_token_ids),
                 tokens=list(new.prompt_token_ids),
                 block_ids=list(blocks),
-                sampling=to_sampling_params(new.sampling_params),
+                sampling=(sampling := to_sampling_params(new.sampling_params)),
                 num_computed=new.num_computed_tokens,  # > 0: a prefix-cache hit
+                prompt_scores=None if sampling.prompt_logprobs is None else [None] * (len(new.prompt_token_ids) - 1),
             )
             self.counts["new"] += 1
             self.counts["prefix_hits"] += new.num_computed_tokens > 0
@@ -139,9 +146,28 @@ class RequestStates:
                 sample=end == len(state.tokens),  # a prefill chunk short of the prompt's end samples nothing
                 output_index=end - state.prompt_len,
                 history=tuple(state.tokens[:end]) if state.sampling.needs_history else None,
+                prompt_targets=state.prompt_targets(start, end),
             ))
         self.counts["steps"] += 1
         return ModelBatch(step_id, tuple(out))
+
+    def record_prompt_logprobs(
+        self, batch: ModelBatch, output: SamplerOutput
+    ) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
+        """Place a step's prompt logprobs; for each request whose prompt this step finished, its prompt tokens
+        after the first and their logprobs (vLLM takes them once, when the prompt's last chunk is done)."""
+        scored = dict(output.prompt_logprobs)
+        done = {}
+        for r in batch.requests:
+            state = self.requests.get(r.request_id)
+            if state is None or state.prompt_scores is None:
+                continue
+            chunk = scored.get(r.request_id, ())
+            state.prompt_scores[r.start_position : r.start_position + len(chunk)] = chunk
+            if r.end_position >= state.prompt_len:
+                done[r.request_id] = state.tokens[1 : state.prompt_len], state.prompt_scores
+                state.prompt_scores = None
+        return done
 
     def record(self, output: SamplerOutput) -> None:
         """The last stage learns its sampled tokens (earlier stages get them in the next step's deltas)."""

@@ -31,10 +31,10 @@ from vllm.distributed.parallel_state import (
 from vllm.sequence import IntermediateTensors
 from vllm.utils.network_utils import get_ip
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from pipejax.runner.batch import ModelBatch, SamplerOutput
+from pipejax.runner.batch import ModelBatch, SamplerOutput, TokenLogprobs
 from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig, StageConfig
 from pipejax.runner.model import kv_heads_for_tp
 from pipejax.worker.vllm_options import OPTIONS_KEY, VllmStageOptions
@@ -110,19 +110,38 @@ class VllmStageRunner:
             bitmasks = dict(zip(grammar_output.structured_output_request_ids, grammar_output.grammar_bitmask,
                                 strict=True))
         out = self.stage_worker.sample_deferred(bitmasks)
+        prompt_logprobs = self.states.record_prompt_logprobs(batch, out)
         self.states.record(out)
-        return _model_runner_output(batch, out)
+        return _model_runner_output(batch, out, prompt_logprobs)
 
 
-def _model_runner_output(batch, out: SamplerOutput) -> ModelRunnerOutput:
+def _model_runner_output(batch, out: SamplerOutput,
+                         prompt_logprobs: dict[str, tuple[list[int], list[TokenLogprobs]]]) -> ModelRunnerOutput:
     req_ids = [r.request_id for r in batch.requests]
     index = {r: i for i, r in enumerate(req_ids)}
     sampled: list[list[int]] = [[] for _ in req_ids]  # [] for a prefill chunk short of the prompt's end
     for req_id, token in zip(out.request_ids, out.token_ids, strict=True):
         sampled[index[req_id]] = [token]
     return ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=_logprobs(index, out)
+        req_ids=req_ids, req_id_to_index=index, sampled_token_ids=sampled, logprobs=_logprobs(index, out),
+        prompt_logprobs_dict={req_id: _prompt_logprobs(*scored) for req_id, scored in prompt_logprobs.items()},
     )
+
+
+def _prompt_logprobs(tokens: list[int], scores: list[TokenLogprobs]) -> LogprobsTensors:
+    """vLLM's layout of a whole prompt's logprobs: per prompt token after the first, column 0 that token, then
+    the top N; and its rank."""
+    import torch
+
+    width = 1 + max((len(lp.top) for lp in scores), default=0)
+    ids = np.zeros((len(scores), width), np.int64)
+    values = np.full((len(scores), width), -np.inf, np.float32)
+    ranks = np.zeros(len(scores), np.int64)
+    for i, (token, lp) in enumerate(zip(tokens, scores, strict=True)):
+        ids[i, 0], values[i, 0], ranks[i] = token, lp.sampled, lp.rank
+        for j, (tok, value) in enumerate(lp.top, start=1):
+            ids[i, j], values[i, j] = tok, value
+    return LogprobsTensors(torch.from_numpy(ids), torch.from_numpy(values), torch.from_numpy(ranks))
 
 
 def _logprobs(index: dict[str, int], out: SamplerOutput) -> LogprobsLists | None:

@@ -130,6 +130,9 @@ class LLMEngine:
                 f"shorten the prompt to at most {self.max_model_len - 1} tokens"
             )
         sampling = self._resolve_sampling(request_id, sampling)
+        if sampling.prompt_logprobs is not None and self.config.model.impl != "jax":
+            raise ValueError(f"request {request_id!r}: prompt_logprobs are computed by the native JAX model only, "
+                             f"not model_impl={self.config.model.impl!r}; leave prompt_logprobs out")
         grammar = None
         if sampling.structured_outputs is not None:
             grammar = self.grammars.matcher(request_id, sampling.structured_outputs)

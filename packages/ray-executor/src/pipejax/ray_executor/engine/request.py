@@ -35,6 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then its TokenLogprobs (vLLM's)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclasses.dataclass
@@ -50,6 +52,7 @@ class RequestDelta:
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # set once the request finished
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first token (``RequestOutput``'s)
 
     @property
     def finished(self) -> bool:
@@ -77,6 +80,9 @@ class Request:
         self.eos_token_ids = frozenset() if sampling.ignore_eos else eos_token_ids
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if sampling.logprobs is not None else None
+        # prompt token i + 1's logprobs at [i], filled as its prefill chunks come back (a recompute refills them)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if sampling.prompt_logprobs is None else [None] * (len(prompt_token_ids) - 1))
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (counted when scheduled)
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
@@ -87,6 +93,7 @@ class Request:
         self.grammar = None  # an llguidance matcher where the output follows a grammar (structured outputs)
         self._delta_tokens = 0  # output tokens (and logprobs) that earlier deltas carried
         self._delta_chars = 0  # characters of text that earlier deltas carried
+        self._prompt_logprobs_sent = False
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, sampling.skip_special_tokens) if tokenizer else None
         )
@@ -99,6 +106,16 @@ class Request:
         if stop <= p:
             return tuple(self.prompt_token_ids[start:stop])
         return (*self.prompt_token_ids[start:], *self.output_token_ids[: stop - p])
+
+    def prompt_targets(self, start: int, num_new: int) -> tuple[int, ...] | None:
+        """For a step computing tokens ``start:start + num_new``: the prompt token that follows each, where this
+        request asks for prompt logprobs and the step still computes prompt tokens (``ScheduledRequest``)."""
+        if self.prompt_logprobs is None or start >= len(self.prompt_token_ids) - 1:
+            return None
+        return tuple(self.prompt_token_ids[start + 1 : start + num_new + 1])
+
+    def add_prompt_logprobs(self, start: int, scored: tuple[TokenLogprobs, ...]) -> None:
+        self.prompt_logprobs[start : start + len(scored)] = scored
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +193,9 @@ class Request:
         """What this request gained since the previous ``delta()`` (since it was added, the first time)."""
         start, chars = self._delta_tokens, self._delta_chars
         self._delta_tokens, self._delta_chars = len(self.output_token_ids), len(self.text)
+        prompt_logprobs = None  # complete once the prompt's last chunk sampled a token
+        if self.prompt_logprobs is not None and self.output_token_ids and not self._prompt_logprobs_sent:
+            prompt_logprobs, self._prompt_logprobs_sent = [None, *self.prompt_logprobs], True
         return RequestDelta(
             self.request_id,
             self.output_token_ids[start:],
@@ -184,6 +204,7 @@ class Request:
             self.logprobs[start:] if self.logprobs is not None else None,
             self.finish_reason if self.finished else None,
             self.stop_reason,
+            prompt_logprobs,
         )
 
     def output(self) -> RequestOutput:
@@ -195,4 +216,6 @@ class Request:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished)
+        prompt_logprobs = None if self.prompt_logprobs is None else [None, *self.prompt_logprobs]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion], self.finished,
+                             prompt_logprobs)

@@ -103,6 +103,7 @@ class Scheduler:
                     output_index=len(req.output_token_ids),
                     history=req.token_ids(0, start + num_new)
                     if req.sampling.needs_history and start + num_new == req.num_tokens else None,
+                    prompt_targets=req.prompt_targets(start, num_new),
                 )
             )
             req.num_computed_tokens += num_new
@@ -112,6 +113,7 @@ class Scheduler:
     def update(self, batch: ModelBatch, output: SamplerOutput | None) -> list[Request]:
         """Apply a returned batch; returns the requests that got a token or finished."""
         sampled = {} if output is None else dict(zip(output.request_ids, range(len(output.request_ids)), strict=True))
+        scored = {} if output is None else dict(output.prompt_logprobs)
         touched = []
         for entry in batch.requests:
             req = self.requests.get(entry.request_id)
@@ -122,6 +124,8 @@ class Scheduler:
                 self._release(req)
                 touched.append(req)
                 continue
+            if entry.request_id in scored:
+                req.add_prompt_logprobs(entry.start_position, scored[entry.request_id])
             if entry.request_id in sampled:
                 i = sampled[entry.request_id]
                 req.append_token(output.token_ids[i], output.logprobs[i] if output.logprobs else None)

@@ -88,10 +88,11 @@ def build_app(config: FrontendConfig) -> FastAPI:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": config.served_model_name}
         usage = _Usage(prompts)
         if body.stream:
-            return SSEResponse(_completion_events(frontend, choices, head, body, usage))
+            return SSEResponse(_completion_events(frontend, choices, head, body, usage, prompts))
         done = await _unless_disconnected(raw, frontend.collect(choices, len(prompts) * body.n))
         out = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "logprobs": _completion_logprobs(frontend, c, 0) if body.logprobs is not None else None}
+                "logprobs": _completion_logprobs(frontend, c, 0) if body.logprobs is not None else None,
+                "prompt_logprobs": _prompt_logprobs(frontend, c, prompts[c.index // body.n])}
                for c in done]
         return {**head, "object": "text_completion", "choices": out, "usage": usage.of(done)}
 
@@ -117,7 +118,8 @@ def build_app(config: FrontendConfig) -> FastAPI:
             logprobs = _chat_logprobs(frontend, c, 0) if body.logprobs else None
             out.append({"index": c.index, "message": message, "finish_reason": finish_reason,
                         "stop_reason": c.stop_reason, "logprobs": logprobs})
-        return {**head, "object": "chat.completion", "choices": out, "usage": usage.of(done)}
+        return {**head, "object": "chat.completion", "choices": out, "usage": usage.of(done),
+                "prompt_logprobs": _prompt_logprobs(frontend, done[0], prompt)}
 
     return app
 
@@ -233,13 +235,17 @@ async def _events(choices: AsyncIterator[Choice], body, make_chunk, head, usage:
     yield "data: [DONE]\n\n"
 
 
-def _completion_events(frontend: Frontend, choices, head, body: CompletionRequest, usage: _Usage):
+def _completion_events(frontend: Frontend, choices, head, body: CompletionRequest, usage: _Usage,
+                       prompts: list[list[int]]):
     head = {**head, "object": "text_completion"}
 
     def chunk(c: Choice, text: str, first_token: int, finish_now: bool) -> list[dict]:
         logprobs = _completion_logprobs(frontend, c, first_token) if body.logprobs is not None else None
-        return [{**head, "choices": [{"index": c.index, "text": text, "logprobs": logprobs,
-                                      "finish_reason": c.finish_reason if finish_now else None}]}]
+        choice = {"index": c.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason if finish_now else None}
+        if first_token == 0 and c.prompt_logprobs is not None:  # with the choice's first chunk, as vLLM
+            choice["prompt_logprobs"] = _prompt_logprobs(frontend, c, prompts[c.index // body.n])
+        return [{**head, "choices": [choice]}]
 
     return _events(choices, body, chunk, head, usage)
 
@@ -282,6 +288,22 @@ def _completion_logprobs(frontend: Frontend, c: Choice, start: int) -> dict:
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _prompt_logprobs(frontend: Frontend, c: Choice, prompt: list[int]) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} for the prompt token and the top N."""
+    if c.prompt_logprobs is None:
+        return None
+
+    def entry(logprob: float, rank: int | None, token_id: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": frontend.token_text(token_id)}
+
+    out: list[dict | None] = [None]
+    for token_id, lp in zip(prompt[1:], c.prompt_logprobs[1:], strict=True):
+        top = {str(t): entry(v, i + 1, t) for i, (t, v) in enumerate(lp.top) if t != token_id}
+        out.append({str(token_id): entry(lp.sampled, lp.rank, token_id), **top})  # the prompt token first
+    return out
 
 
 def _chat_logprobs(frontend: Frontend, c: Choice, start: int) -> dict:

@@ -366,9 +366,12 @@ def run_engine_process(config: EngineConfig, index: int, addresses: DPAddresses,
 def _wire(delta: RequestDelta, error_kind: str | None, error_prefix: str) -> EngineCoreOutput:
     """The engine's delta as the wire's output (an error names the engine through ``error_prefix``)."""
     finish = delta.finish_reason
-    logprobs = None
+    logprobs = prompt_logprobs = None
     if delta.new_logprobs is not None:
-        logprobs = [Logprob(lp.sampled, [tuple(t) for t in lp.top]) for lp in delta.new_logprobs]
+        logprobs = [Logprob(lp.sampled, [tuple(t) for t in lp.top], lp.rank) for lp in delta.new_logprobs]
+    if delta.prompt_logprobs is not None:
+        prompt_logprobs = [lp and Logprob(lp.sampled, [tuple(t) for t in lp.top], lp.rank)
+                           for lp in delta.prompt_logprobs]
     return EngineCoreOutput(
         request_id=delta.request_id,
         new_token_ids=delta.new_token_ids,
@@ -379,4 +382,5 @@ def _wire(delta: RequestDelta, error_kind: str | None, error_prefix: str) -> Eng
         stop_reason=None if finish == "error" else delta.stop_reason,
         error=f"{error_prefix}{delta.stop_reason}" if finish == "error" else None,
         error_kind=(error_kind or "engine_dead") if finish == "error" else None,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -53,6 +53,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[Logprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_chars: int = 0  # streaming: how much has gone out
@@ -63,6 +64,8 @@ class Choice:
         self.text = (self.text + out.new_text)[: out.text_len]
         self.token_ids += out.new_token_ids
         self.logprobs += out.new_logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic, validated by FastAPI) and the error body.
 
 Unknown fields are accepted and ignored, as the established servers do; fields pipejax cannot honour
-(``echo``, ``suffix``, ``best_of`` > ``n``, ``prompt_logprobs``) are refused with a 400 rather than ignored.
+(``echo``, ``suffix``, ``best_of`` > ``n``) are refused with a 400 rather than ignored.
 Besides OpenAI's penalties, ``logit_bias`` and ``response_format``, vLLM's extensions ``repetition_penalty``,
 ``min_tokens``, ``allowed_token_ids``, ``bad_words`` and ``structured_outputs`` are taken, with vLLM's meaning.
 """
@@ -69,15 +69,12 @@ class _Sampling(_Request):
     bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's: one of json, json_object, regex, choice, grammar
-    prompt_logprobs: int | None = None  # vLLM's; refused by name rather than ignored
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top N (-1: all)
     data_parallel_rank: int | None = None  # pipejax/vLLM extension: pin the request to one DP engine
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         forced: StructuredOutputs | None = None) -> SamplingParams:
         """The engine's parameters; ``forced``: the grammar a forced tool call holds the answer to."""
-        if self.prompt_logprobs is not None:
-            raise APIError(400, f"prompt_logprobs={self.prompt_logprobs} is not supported by pipejax yet; leave it "
-                                f"out", "prompt_logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
@@ -88,6 +85,7 @@ class _Sampling(_Request):
                 n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                 seed=self.seed, max_tokens=max_tokens, stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 min_tokens=self.min_tokens, logit_bias=bias, allowed_token_ids=self.allowed_token_ids,

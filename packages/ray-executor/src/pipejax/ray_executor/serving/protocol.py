@@ -41,6 +41,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class Logprob(msgspec.Struct, array_like=True, gc=False):
     sampled: float
     top: list[tuple[int, float]] = []  # (token id, logprob), best first
+    rank: int | None = None  # the sampled (or prompt) token's rank in the vocabulary, 1 = the most likely
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -55,6 +56,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | str | None = None
     error: str | None = None  # with finish_reason "error": what went wrong
     error_kind: str | None = None  # "invalid_request" (the client's fault) | "engine_dead"
+    # with prompt_logprobs: None for the first prompt token, then each one's; sent once, with the first token
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:
