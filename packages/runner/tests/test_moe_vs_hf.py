@@ -147,7 +147,15 @@ def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp, split, ep)
 
     path, model = moe_checkpoints(arch)
     stages = ChainedStages(path, pp, tp, split, num_blocks=80, expert_parallel=ep)
+    expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    moe_layers = sum(stage.params["layers.router"].shape[0] for stage in stages.stages)
     for stage in stages.stages:
+        held = {}  # each device holds its stage's share of the experts, 1 / tp of it (whole experts with EP)
+        for name in ("layers.experts_gate_up", "layers.experts_down"):
+            for shard in stage.params[name].addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+        share = stage.params["layers.router"].shape[0] / moe_layers / tp
+        assert set(held.values()) == {expert_bytes * share}, (held, expert_bytes, share)
         experts = stage.params["layers.experts_down"]  # [MoE layers, X, Fm, E]
         assert {s.data.shape[1:] for s in experts.addressable_shards} == {
             (8 // tp, 48, 64) if ep else (8, 48 // tp, 64)}

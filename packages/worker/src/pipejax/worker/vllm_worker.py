@@ -130,18 +130,17 @@ def _model_runner_output(batch, out: SamplerOutput,
 
 def _prompt_logprobs(tokens: list[int], scores: list[TokenLogprobs]) -> LogprobsTensors:
     """vLLM's layout of a whole prompt's logprobs: per prompt token after the first, column 0 that token, then
-    the top N; and its rank."""
-    import torch
-
+    the top N; and its rank (in vLLM's own CPU tensors, filled through numpy views)."""
     width = 1 + max((len(lp.top) for lp in scores), default=0)
-    ids = np.zeros((len(scores), width), np.int64)
-    values = np.full((len(scores), width), -np.inf, np.float32)
-    ranks = np.zeros(len(scores), np.int64)
+    out = LogprobsTensors.empty_cpu(len(scores), width)
+    ids, values, ranks = (t.numpy() for t in out[:3])
+    values[:] = -np.inf
+    ids[:] = 0
     for i, (token, lp) in enumerate(zip(tokens, scores, strict=True)):
         ids[i, 0], values[i, 0], ranks[i] = token, lp.sampled, lp.rank
         for j, (tok, value) in enumerate(lp.top, start=1):
             ids[i, j], values[i, j] = tok, value
-    return LogprobsTensors(torch.from_numpy(ids), torch.from_numpy(values), torch.from_numpy(ranks))
+    return out
 
 
 def _logprobs(index: dict[str, int], out: SamplerOutput) -> LogprobsLists | None:
