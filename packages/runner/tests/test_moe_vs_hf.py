@@ -52,21 +52,21 @@ def test_moe_mlp_matches_transformers_alone_and_sharded(arch):
     for param in block.parameters():  # transformers leaves some of them empty until a checkpoint fills them
         torch.nn.init.normal_(param, std=0.2)
     moe = MoeConfig.from_hf(arch, config.to_dict())
-    x = np.random.default_rng(1).standard_normal((11, E)).astype(np.float32)
-    with torch.no_grad():
-        want = block(torch.from_numpy(x)[None])[0].numpy()
     p = _ours(block)
     assert {k: v.shape for k, v in p.items()} == {k: s for k, (s, _) in moe_param_shapes(E, moe).items()}
-    step = jax.jit(lambda x, p: moe_mlp(x, p, moe, residual=0 * x))
-    got = np.asarray(step(x, p))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     mesh = stage_mesh(jax.devices()[:4])
-    for expert_parallel in (True, False):
-        rules = moe_rules(expert_parallel, X, 4)
-        axes = {k: a for k, (_, a) in moe_param_shapes(E, moe).items()}
-        placed = {k: jax.device_put(v, logical_sharding(mesh, axes[k], rules)) for k, v in p.items()}
-        sharded = np.asarray(step(jax.device_put(x, logical_sharding(mesh, (None, None), rules)), placed))
-        np.testing.assert_allclose(sharded, want, rtol=1e-4, atol=1e-5)
+    for tokens, gather in ((11, False), (3, True)):  # every expert on every token; each token's experts gathered
+        step = jax.jit(lambda x, p, gather=gather: moe_mlp(x, p, moe, residual=0 * x, gather=gather))
+        x = np.random.default_rng(tokens).standard_normal((tokens, E)).astype(np.float32)
+        with torch.no_grad():
+            want = block(torch.from_numpy(x)[None])[0].numpy()
+        np.testing.assert_allclose(np.asarray(step(x, p)), want, rtol=1e-4, atol=1e-5)
+        for expert_parallel in (True, False):
+            rules = moe_rules(expert_parallel, X, 4)
+            axes = {k: a for k, (_, a) in moe_param_shapes(E, moe).items()}
+            placed = {k: jax.device_put(v, logical_sharding(mesh, axes[k], rules)) for k, v in p.items()}
+            sharded = np.asarray(step(jax.device_put(x, logical_sharding(mesh, (None, None), rules)), placed))
+            np.testing.assert_allclose(sharded, want, rtol=1e-4, atol=1e-5)
 
 
 def test_routing_follows_each_architectures_normalisation():

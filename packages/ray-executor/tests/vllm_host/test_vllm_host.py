@@ -340,12 +340,14 @@ def test_vllm_serve_answers_the_openai_client(vllm_server, llama):
         assert all(min(abs(v - float(everything[pos, t])) for t in ids_of.get(text) or ids_of["\ufffd"]) < 1e-4
                    for text, v in top.items())
     # prompt_logprobs: each prompt token's logprob given those before it, its rank and the top 2, as transformers'
+    # (a 98-token prompt: prefilled in two chunks of --max-num-batched-tokens 64)
     from pipejax_test_support import hf_prompt_logprobs
 
-    entries = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0,
+    long = [ord(c) for c in "Pipelines carry activations from stage to stage, " * 2]
+    entries = client.completions.create(model="tiny", prompt=long, max_tokens=1, temperature=0,
                                         extra_body={"prompt_logprobs": 2}).choices[0].model_extra["prompt_logprobs"]
-    assert entries[0] is None and len(entries) == len(prompt)
-    for token, entry, (logprob, rank, top) in zip(prompt[1:], entries[1:], hf_prompt_logprobs(model, [prompt], 2)[0],
+    assert entries[0] is None and len(entries) == len(long) > 64
+    for token, entry, (logprob, rank, top) in zip(long[1:], entries[1:], hf_prompt_logprobs(model, [long], 2)[0],
                                                    strict=True):
         assert abs(entry[str(token)]["logprob"] - logprob) < 1e-4 and entry[str(token)]["rank"] == rank, entry
         assert {int(t) for t in entry} == {token, *top}, (entry, top)
