@@ -32,7 +32,7 @@ def main() -> None:
     for X, k, F in SHAPES:
         moe = MoeConfig(num_experts=X, top_k=k, intermediate_size=F, norm_topk_prob=True)
         rng = np.random.default_rng(0)
-        weights = (rng.standard_normal((X, HIDDEN, 2, F), np.float32) * 0.05,
+        weights = (rng.standard_normal((HIDDEN, X, 2, F), np.float32) * 0.05,
                    rng.standard_normal((X, F, HIDDEN), np.float32) * 0.05,
                    rng.standard_normal((HIDDEN, X), np.float32))
         gu, down, router = (jax.device_put(w) for w in weights)

@@ -34,7 +34,7 @@ def _ours(block: torch.nn.Module) -> dict[str, np.ndarray]:
     sd = {k: v.detach().numpy() for k, v in block.state_dict().items()}
     gate_up = sd["experts.gate_up_proj"]  # [X, 2 Fm, E]: gate rows, then up rows
     p = {"router": sd["gate.weight"].T,
-         "experts_gate_up": gate_up.reshape(X, 2, FM, E).transpose(0, 3, 1, 2),
+         "experts_gate_up": gate_up.reshape(X, 2, FM, E).transpose(3, 0, 1, 2),
          "experts_down": sd["experts.down_proj"].transpose(0, 2, 1)}  # [X, E, Fm] -> [X, Fm, E]
     if "shared_expert_gate.weight" in sd:
         p["shared_gate_up"] = np.stack([sd["shared_expert.gate_proj.weight"].T, sd["shared_expert.up_proj.weight"].T],

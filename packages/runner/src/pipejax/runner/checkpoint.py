@@ -134,8 +134,8 @@ def _hf_moe_tensors(cfg: ModelConfig, half, transpose, whole: int) -> dict[str, 
     else:
         block, gate, up, down = "model.layers.{i}.mlp.", "gate_proj", "up_proj", "down_proj"
 
-    def expert_half(e: int, c: int) -> Converter:  # [rows of Fm, E] -> expert e's [E, gate or up, rows]
-        return lambda w, r0, r1: ((slice(e, e + 1), slice(None), slice(c, c + 1), slice(r0, r1)), w.T[None, :, None])
+    def expert_half(e: int, c: int) -> Converter:  # [rows of Fm, E] -> [E, expert e, gate or up, rows]
+        return lambda w, r0, r1: ((slice(None), slice(e, e + 1), slice(c, c + 1), slice(r0, r1)), w.T[:, None, None])
 
     def expert_down(e: int) -> Converter:  # [rows of E, Fm] -> expert e's [Fm, rows]
         return lambda w, r0, r1: ((slice(e, e + 1), slice(None), slice(r0, r1)), w.T[None])

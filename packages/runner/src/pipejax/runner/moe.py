@@ -4,7 +4,7 @@ routing -> experts -> the block.
 Routing is transformers': router logits in the activations' dtype, softmax in fp32, the top k, renormalised where
 the model asks (``MoeConfig.norm_topk_prob``). The experts run in one of two static formulations, chosen by the
 step's token count (both drop no token):
-- few tokens (T k <= X / 2, ``GATHER_SHARE``: decode steps of small batches): each token's top k experts'
+- few tokens (T k <= X / 4, ``GATHER_SHARE``: decode steps of small batches): each token's top k experts'
   weights are gathered, so the step reads T k experts, not all X;
 - otherwise every token through every expert's gate/up projection, the activations scaled by the token's routing
   weight (0 off its top k), and one down projection that sums over experts and their widths together: two dense
@@ -40,7 +40,10 @@ def moe_param_shapes(E: int, moe: MoeConfig) -> dict[str, tuple[tuple[int, ...],
     X, Fm, Fs = moe.num_experts, moe.intermediate_size, moe.shared_expert_size
     shapes = {
         "router": ((E, X), ("embed", None)),
-        "experts_gate_up": ((X, E, 2, Fm), ("experts", "embed", None, "expert_mlp")),  # gate, then up
+        # hidden-major, so that every expert's gate and up are one [E, X 2 Fm] matmul: XLA:CPU copied an expert-major
+        # [X, E, 2, Fm] weight into this order before its dot every step (moe_gather_probe.py's "every expert": 1.5-4.8x
+        # as long, 1-32 tokens)
+        "experts_gate_up": ((E, X, 2, Fm), ("embed", "experts", None, "expert_mlp")),  # gate, then up
         "experts_down": ((X, Fm, E), ("experts", "expert_mlp", "embed")),
     }
     if Fs:
@@ -69,9 +72,10 @@ def route(x: jax.Array, router: jax.Array, moe: MoeConfig) -> jax.Array:
 
 
 def experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, weights: jax.Array) -> jax.Array:
-    """sum over experts of weight[t, x] * expert_x(token t): x [T, E], gate_up [X, E, 2, Fm], down [X, Fm, E]."""
-    gate_and_up = jnp.einsum("te,xecf->ctxf", x, gate_up)
-    act = swiglu(gate_and_up[0], gate_and_up[1])  # [T, X, Fm]
+    """sum over experts of weight[t, x] * expert_x(token t): x [T, E], gate_up [E, X, 2, Fm], down [X, Fm, E]: two
+    matmuls, each contracting its weight's leading dims in their stored order."""
+    gate_and_up = jnp.einsum("te,excf->txcf", x, gate_up)
+    act = swiglu(gate_and_up[:, :, 0], gate_and_up[:, :, 1])  # [T, X, Fm]
     act = act * weights[:, :, None].astype(act.dtype)
     return jnp.einsum("txf,xfe->te", act, down)
 
@@ -80,16 +84,16 @@ def gathered_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, top: jax
                      ) -> jax.Array:
     """``experts`` for few tokens: each token's top k experts' weights gathered (``top_experts``' top / chosen
     [T, k]), so a decode step of T k routes reads T k experts, not all X."""
-    gate_and_up = jnp.einsum("te,tkecf->ctkf", x, gate_up[chosen])  # [2, T, k, Fm]
-    act = swiglu(gate_and_up[0], gate_and_up[1]) * top[..., None].astype(x.dtype)
+    gate_and_up = jnp.einsum("te,etkcf->tkcf", x, gate_up[:, chosen])  # [T, k, 2, Fm]
+    act = swiglu(gate_and_up[:, :, 0], gate_and_up[:, :, 1]) * top[..., None].astype(x.dtype)
     return jnp.einsum("tkf,tkfe->te", act, down[chosen])
 
 
 # Gather the routed experts' weights where a step's routes (tokens x top_k) are at most this share of the experts.
 # ``python benchmarks/probes/moe_gather_probe.py`` (2-core EPYC with AVX-512, one XLA:CPU device, experts alone):
-# gathering won 5.7-17x at routes / experts <= 1/8, 1.3-2.9x at 1/2, about even at 1 and lost (0.45-0.68x) at 2,
-# for 64 experts top 4, 128 top 8 and 16 top 2.
-GATHER_SHARE = 1 / 2
+# gathering won 2.1-5.8x at routes / experts <= 1/8 and 1.2-1.9x at 1/4, was even (0.76-1.13x) at 1/2 and lost
+# (0.17-0.67x) from 1 on, for 64 experts top 4, 128 top 8 and 16 top 2.
+GATHER_SHARE = 1 / 4
 
 
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], moe: MoeConfig, residual: jax.Array,
