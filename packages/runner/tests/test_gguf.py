@@ -214,6 +214,11 @@ def test_wrong_architecture(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="holds a 'qwen2' model; pipejax loads GGUF architectures 'llama'"):
         ModelConfig.from_pretrained(path)
 
+    path = write_gguf(tmp_path / "qwen3moe.gguf", model, architecture="qwen3moe")
+    with pytest.raises(CheckpointError, match=r"Mixture-of-Experts 'qwen3moe' model, whose experts llama.cpp stores as "
+                                              r"3-D tensors .* Qwen3MoeForCausalLM, MixtralForCausalLM"):
+        ModelConfig.from_pretrained(path)
+
 
 PROBE = """
 import json, sys

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # The types pipejax dequantizes (each row of a 2-D tensor is whole blocks, so rows read alone).
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
 SUPPORTED_ARCHITECTURES = ("llama",)
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "mixtral", "deepseek2", "olmoe", "granitemoe")  # llama.cpp's names
 
 # Hugging Face name -> GGUF name (llama.cpp's tensor names for the "llama" architecture).
 _GLOBAL_NAMES = {
@@ -174,6 +175,13 @@ def _field(reader: _Header, key: str, default=None):
 def hf_config(reader: _Header, path: str | Path = "") -> dict:
     """The model's hyper-parameters as a Hugging Face ``config.json`` dict (LlamaForCausalLM)."""
     arch = _field(reader, "general.architecture")
+    if arch in MOE_ARCHITECTURES or f"{arch}.expert_count" in reader.fields:
+        raise GGUFError(
+            f"GGUF file {str(path)!r} holds a Mixture-of-Experts {arch!r} model, whose experts llama.cpp stores as "
+            f"3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps); pipejax does not load those from GGUF yet. "
+            f"Give the model's Hugging Face checkpoint folder instead: Qwen3MoeForCausalLM, MixtralForCausalLM and "
+            f"Qwen2MoeForCausalLM load from safetensors"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(
             f"GGUF file {str(path)!r} holds a {arch!r} model; pipejax loads GGUF architectures "
