@@ -1,9 +1,12 @@
-"""Decode-step time of the runner on the benchmark model, next to this machine's floor.
+"""Decode-step time of the runner on the benchmark model (or ``--model PATH``, any checkpoint the runner serves),
+next to this machine's floor.
 
 floor = max(FLOPs / measured matmul rate, weight bytes / measured resident read bandwidth)
 
 Also the peak RSS of loading one stage of a pp=2 split against loading the whole model, each in
-a fresh process. Run: python packages/runner/benchmarks/decode_bench.py [--batches 1 16 64]
+a fresh process. Run: python packages/runner/benchmarks/decode_bench.py [--batches 1 16 64] [--model PATH]
+(a Mixture-of-Experts checkpoint's floor counts every expert: the runner's dense formulation of its experts).
+``DecodeSteps`` is the same step held in a process for others to time on request (``moe_step.py``).
 """
 
 from __future__ import annotations
@@ -21,21 +24,44 @@ from decode_floor import DecodeBench  # noqa: E402  (this folder's; run as a scr
 from machine_floor import CONTEXT, machine_rates, step_cost, timed  # noqa: E402
 
 
+class DecodeSteps:
+    """``decode_floor.DecodeBench``'s decode step of the checkpoint at ``path`` (128 tokens cached per request,
+    sampling included), built and compiled at each of ``batches`` once, then timed on request: in a process of
+    its own (``bench_support.EngineProcess``), two models' steps can be timed alternately."""
+
+    def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
+                 few_row_dots: str = "auto", dense_matmuls: str = "auto"):
+        self.bench = DecodeBench(path, batches, decode_attention, decode_layers, dense_matmuls,
+                                 few_row_dots=few_row_dots)
+        self.first_step_s = self.bench.compile_steps(batches)
+
+    def seconds(self, batch: int, repeats: int) -> list[float]:
+        """Seconds of each of ``repeats`` steps of ``batch`` requests (after one untimed)."""
+        return timed(lambda: self.bench.step(batch), repeats)
+
+    def first_steps(self) -> dict[int, float]:
+        """Seconds of each batch's first step, its compile included."""
+        return self.first_step_s
+
+    def switches(self) -> dict[str, str]:
+        r = self.bench.runner
+        return {"decode_attention": r.decode_attention, "decode_layers": r.decode_layers,
+                "dense_matmuls": r.dense_matmuls, "few_row_dots": r.few_row_dots}
+
+
 def decode_times(
     path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto",
     few_row_dots: str = "auto", dense_matmuls: str = "auto",
 ) -> dict[int, tuple[float, float, float]]:
-    """(median, min, max) seconds of a decode step at each batch: ``decode_floor.DecodeBench``'s step (128 tokens
-    cached per request, sampling included), the runner built with these switches."""
-    bench = DecodeBench(path, batches, decode_attention, decode_layers, dense_matmuls, few_row_dots=few_row_dots)
-    runner = bench.runner
-    print(f"decode attention: {runner.decode_attention}, decode layers: {runner.decode_layers}, "
-          f"dense matmuls: {runner.dense_matmuls}, few-row dots: {runner.few_row_dots}")
-    for b, seconds in bench.compile_steps(batches).items():
+    """(median, min, max) seconds of a decode step at each batch (``DecodeSteps``), the runner built with these
+    switches."""
+    steps = DecodeSteps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls)
+    print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in steps.switches().items()))
+    for b, seconds in steps.first_step_s.items():
         print(f"batch {b}: first step (its compile included) {seconds:.2f} s")
     out = {}
     for b in batches:
-        times = timed(lambda b=b: bench.step(b), repeats)
+        times = steps.seconds(b, repeats)
         out[b] = (statistics.median(times), min(times), max(times))
     return out
 
@@ -97,12 +123,13 @@ def main() -> None:
                         help="XLA's dot over [in, out] weights, or the CPU dense kernel over weights in panels "
                         "(auto: the kernel on CPU in float32)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
+    parser.add_argument("--model", default=None, help="a checkpoint folder (default: the built-in bench model)")
     args = parser.parse_args()
 
     from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
     from pipejax.runner.config import ModelConfig
 
-    path = str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
+    path = args.model or str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
     cfg = ModelConfig.from_pretrained(path)
     rates = machine_rates(references=False)
     flops_rate, bandwidth = rates["flops"], rates["bandwidth"]
@@ -111,7 +138,8 @@ def main() -> None:
         f"read (a reduction over a resident 1 GiB array), {os.cpu_count()} CPUs"
     )
     results = {"matmul_gflops": flops_rate / 1e9, "memory_gbps": bandwidth / 1e9, "decode": {}}
-    print(f"\ndecode step, benchmark model (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
+    name = args.model or "benchmark model"
+    print(f"\ndecode step, {name} (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
     print("| batch | step ms | floor ms | step / floor | bound by |")
     print("|---:|---:|---:|---:|---|")
     for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention,

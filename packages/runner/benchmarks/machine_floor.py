@@ -73,14 +73,27 @@ def machine_rates(repeats: int = 5, references: bool = True) -> dict[str, float]
 
 
 def step_cost(cfg, batch: int, context: int = CONTEXT) -> tuple[float, float]:
-    """(FLOPs, bytes of weights read) of one decode step of the whole model at ``batch``."""
+    """(FLOPs, bytes of weights read) of one decode step of the whole model at ``batch``. A Mixture-of-Experts
+    layer (``cfg.moe``) counts its router and top_k experts' FLOPs per token (the useful work, not the runner's
+    dense formulation of every expert), and the bytes of the experts ``batch`` tokens touch when routed uniformly:
+    X (1 - (1 - k / X)^batch) of X."""
     E, F, H, K, D, V, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                            cfg.vocab_size, cfg.num_layers)
-    per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
-    matmul_params = L * per_layer + E * V  # + LM head; the embedding is a lookup
+    attention_params = E * H * D + 2 * E * K * D + H * D * E
+    moe = getattr(cfg, "moe", None)
+    sparse = sum(moe.is_sparse(i) for i in range(L)) if moe else 0
+    dense_mlp = (L - sparse) * 3 * E * F
+    if sparse:
+        X, k, Fm = moe.num_experts, moe.top_k, moe.intermediate_size
+        touched = X * (1 - (1 - k / X) ** batch)
+        shared = 3 * E * moe.shared_expert_size + E if moe.shared_expert_size else 0
+        flop_params = L * attention_params + dense_mlp + sparse * (E * X + k * 3 * E * Fm + shared)
+        read_params = L * attention_params + dense_mlp + sparse * (E * X + touched * 3 * E * Fm + shared)
+    else:
+        flop_params = read_params = L * attention_params + dense_mlp
     attention = L * 4 * batch * H * D * context
-    bytes_read = 4 * (matmul_params + L * 2 * E + E) + 4 * batch * E
-    return 2 * batch * matmul_params + attention, bytes_read
+    bytes_read = 4 * (read_params + E * V + L * 2 * E + E) + 4 * batch * E  # + LM head; the embedding is a lookup
+    return 2 * batch * (flop_params + E * V) + attention, bytes_read
 
 
 def kv_bytes(cfg, batch: int, slots: int) -> int:
