@@ -21,9 +21,11 @@ def smollm2_gguf() -> Path:
     return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
 
 
-def hf_model_from_gguf(path: Path) -> transformers.PreTrainedModel:
-    """transformers' LlamaForCausalLM with the weights transformers itself dequantizes from ``path`` (fp32)."""
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+def hf_model_from_gguf(path: Path, config: transformers.PretrainedConfig | None = None) -> transformers.PreTrainedModel:
+    """transformers' model of the file (LlamaForCausalLM, or ``config``'s: transformers reads no
+    moe_intermediate_size from a qwen3moe file) with the weights transformers itself dequantizes from ``path``
+    (fp32)."""
+    config = config or transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.dtype = torch.float32
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
@@ -52,7 +54,14 @@ GGUF_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
 }
+# transformers' fused experts of a layer (Qwen3-MoE) -> llama.cpp's 3-D experts tensors: gate_up_proj [X, 2 Fm, E]
+# is gate then up rows of each expert, llama.cpp's ffn_gate_exps / ffn_up_exps [X, Fm, E]; down_proj [X, E, Fm].
+EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+           "mlp.experts.down_proj": ("ffn_down_exps.weight",)}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -62,16 +71,41 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest]}"
 
 
+def _llama_cpp_tensors(model: transformers.PreTrainedModel):
+    """(GGUF name, float32 array in Hugging Face layout) of each tensor, as llama.cpp's converter writes them:
+    Llama's Q/K rows permuted for its RoPE (not Qwen's: NeoX RoPE), Qwen3-MoE's experts as 3-D tensors."""
+    cfg, llama = model.config, model.config.model_type == "llama"
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy()
+        layer, _, rest = hf_name.removeprefix("model.layers.").partition(".")
+        if rest in EXPERTS:  # the experts stacked on the first axis, expert outermost (llama.cpp's torch.stack)
+            parts = np.split(w, len(EXPERTS[rest]), axis=1)
+            yield from ((f"blk.{layer}.{name}", part) for name, part in zip(EXPERTS[rest], parts, strict=True))
+            continue
+        name = gguf_name(hf_name)
+        if llama and name.endswith("attn_q.weight"):
+            w = _llama_cpp_rope_rows(w, cfg.num_attention_heads)
+        elif llama and name.endswith("attn_k.weight"):
+            w = _llama_cpp_rope_rows(w, cfg.num_key_value_heads)
+        yield name, w
+
+
 def write_gguf(
     path: Path,
     model: transformers.PreTrainedModel,
     qtypes: dict[str, QType] | None = None,
-    architecture: str = "llama",
+    architecture: str | None = None,
     skip: tuple[str, ...] = (),
+    metadata: dict[str, int] | None = None,
 ) -> Path:
-    """``model`` (a transformers Llama) as a GGUF file: 2-D weights in ``qtypes[gguf name]`` (default F32),
-    Q/K rows permuted as llama.cpp does, a byte-level tokenizer of placeholder tokens."""
+    """``model`` (a transformers Llama or Qwen3-MoE) as llama.cpp's converter writes it: 2-D and 3-D weights in
+    ``qtypes[gguf name]`` (default F32), a byte-level tokenizer of placeholder tokens. ``architecture``: the
+    general.architecture to write (default: the model's, 'llama' or 'qwen3moe'); ``metadata``: more uint32 keys."""
     cfg = model.config
+    moe = cfg.model_type == "qwen3_moe"
+    architecture = architecture or ("qwen3moe" if moe else "llama")
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -82,24 +116,24 @@ def write_gguf(
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if moe:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["<s>", "</s>"] + [f"t{i}" for i in range(2, cfg.vocab_size)])
     writer.add_token_types([3, 3] + [1] * (cfg.vocab_size - 2))
     writer.add_token_merges([])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        name = gguf_name(hf_name)
+    for name, w in _llama_cpp_tensors(model):
         if name in skip:
             continue
-        w = tensor.float().numpy()
-        if name.endswith("attn_q.weight"):
-            w = _llama_cpp_rope_rows(w, cfg.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
-            w = _llama_cpp_rope_rows(w, cfg.num_key_value_heads)
-        qtype = (qtypes or {}).get(name, QType.F32) if w.ndim == 2 else QType.F32
+        qtype = (qtypes or {}).get(name, QType.F32) if w.ndim >= 2 else QType.F32
         if qtype == QType.F32:
             writer.add_tensor(name, np.ascontiguousarray(w))
         elif qtype == QType.F16:

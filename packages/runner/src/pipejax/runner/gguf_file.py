@@ -1,4 +1,4 @@
-"""Llama-family models from a GGUF file (llama.cpp's format): config, tensors and tokenizer.
+"""Models from a GGUF file (llama.cpp's format): config, tensors and tokenizer.
 
 A GGUF file holds the whole model: metadata (hyper-parameters, the tokenizer's vocabulary and
 merges, the chat template) and tensors, many of them quantized in blocks. ``GGUFIndex`` gives the
@@ -7,9 +7,10 @@ Hugging Face names, in Hugging Face layout — so a stage reads only its own ten
 rows, each chunk dequantized (with the ``gguf`` package) and its pages of the mapped file handed
 back before the next is read.
 
-Two differences from a Hugging Face checkpoint are undone here: GGUF lists a 2-D tensor's
-dimensions innermost first (``[in, out]`` for an ``[out, in]`` weight), and llama.cpp's converter
-reorders the rows of each Q and K head for its RoPE (the two rotated halves of a head interleaved).
+The architectures it loads and llama.cpp's conventions for each (names, the Q/K row order of its
+RoPE, Mixture-of-Experts weights stacked in 3-D tensors) are in ``gguf_architectures.py``; here GGUF
+lists a tensor's dimensions innermost first (``[in, out]`` for an ``[out, in]`` weight), and one
+expert of a 3-D experts tensor is read as a tensor of its own (a contiguous block of rows).
 """
 
 from __future__ import annotations
@@ -26,36 +27,13 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from pipejax.runner.errors import CheckpointError
+from pipejax.runner.errors import GGUFError
+from pipejax.runner.gguf_architectures import Architecture, architecture, hf_config
 
 log = logging.getLogger(__name__)
 
 # The types pipejax dequantizes (each row of a 2-D tensor is whole blocks, so rows read alone).
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
-SUPPORTED_ARCHITECTURES = ("llama",)
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "mixtral", "deepseek2", "olmoe", "granitemoe")  # llama.cpp's names
-
-# Hugging Face name -> GGUF name (llama.cpp's tensor names for the "llama" architecture).
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file pipejax cannot load: unreadable, truncated, another architecture or tensor type."""
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -168,65 +146,6 @@ def open_reader(path: str | Path) -> _Header:
     return _read_header(path, stat.st_mtime_ns, stat.st_size)
 
 
-def _field(reader: _Header, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
-def hf_config(reader: _Header, path: str | Path = "") -> dict:
-    """The model's hyper-parameters as a Hugging Face ``config.json`` dict (LlamaForCausalLM)."""
-    arch = _field(reader, "general.architecture")
-    if arch in MOE_ARCHITECTURES or f"{arch}.expert_count" in reader.fields:
-        raise GGUFError(
-            f"GGUF file {str(path)!r} holds a Mixture-of-Experts {arch!r} model, whose experts llama.cpp stores as "
-            f"3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps); pipejax does not load those from GGUF yet. "
-            f"Give the model's Hugging Face checkpoint folder instead: Qwen3MoeForCausalLM, MixtralForCausalLM and "
-            f"Qwen2MoeForCausalLM load from safetensors"
-        )
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"GGUF file {str(path)!r} holds a {arch!r} model; pipejax loads GGUF architectures "
-            f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))} (for others give the Hugging Face checkpoint folder)"
-        )
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    tensor_names = set(reader.tensors)
-    if scaling not in ("none", None) or "rope_freqs.weight" in tensor_names:
-        raise GGUFError(
-            f"GGUF file {str(path)!r} uses RoPE scaling ({scaling!r}, rope_freqs); pipejax's GGUF loader supports "
-            f"plain RoPE only; give the Hugging Face checkpoint folder instead"
-        )
-
-    def meta(key, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise GGUFError(f"GGUF file {str(path)!r} lacks metadata {arch}.{key}; is it a complete llama.cpp model?")
-        return value
-
-    heads = int(meta("attention.head_count"))
-    hidden = int(meta("embedding_length"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    theta = float(meta("rope.freq_base", 10000.0))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta("vocab_size", len(tokens) if tokens else None)),
-        "hidden_size": hidden,
-        "intermediate_size": int(meta("feed_forward_length")),
-        "num_hidden_layers": int(meta("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta("attention.head_count_kv", heads)),
-        "head_dim": int(meta("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        "max_position_embeddings": int(meta("context_length", 2048)),
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-        "dtype": "float32",  # what the tensors are dequantized to unless the caller asks for bfloat16
-    }
-
-
 class GGUFTensor:
     """A tensor of the file in Hugging Face layout, read and dequantized by rows: ``tensor[r0:r1]``."""
 
@@ -251,6 +170,16 @@ class GGUFTensor:
         return heads.swapaxes(1, 2).reshape(values.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """The bytes of a Hugging Face tensor in the file: a whole GGUF tensor, or one expert's block of rows of a 3-D
+    experts tensor (expert outermost, so the block is contiguous and a read of its rows copies nothing else)."""
+
+    offset: int  # from the start of the file
+    n_bytes: int
+    shape: tuple[int, ...]  # Hugging Face layout
+
+
 class GGUFIndex:
     """Hugging Face name -> ``GGUFTensor`` over a memory-mapped GGUF file (the loader's checkpoint view)."""
 
@@ -258,7 +187,9 @@ class GGUFIndex:
         self.path = find_gguf(path) or Path(path)
         reader = open_reader(self.path)
         config = hf_config(reader, self.path)
+        self.architecture: Architecture = architecture(reader.fields, self.path)
         self.num_heads, self.num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.num_experts = config.get("num_experts", 0)
         self.tensors = reader.tensors
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -272,41 +203,47 @@ class GGUFIndex:
         except BufferError:  # a caller still holds a view; the map closes when that view is freed
             pass
 
-    @staticmethod
-    def gguf_name(hf_name: str) -> str:
-        if hf_name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[hf_name]
-        _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.<rest>
-        return f"blk.{layer}.{_LAYER_NAMES[rest]}"
-
-    def _entry(self, hf_name: str, expected_shape: tuple[int, ...]):
-        name = self.gguf_name(hf_name)
-        if name not in self.tensors:
-            raise GGUFError(
-                f"tensor {name!r} ({hf_name}, expected shape {list(expected_shape)}) is missing from GGUF file "
-                f"{str(self.path)!r}; is the file complete and a llama.cpp 'llama' model?"
-            )
-        return name, self.tensors[name]
+    def _span(self, hf_name: str) -> _Span:
+        place = self.architecture.place(hf_name)
+        t = self.tensors[place.name]
+        shape = tuple(reversed(t.dims))  # GGUF lists dimensions innermost first
+        if place.expert is None:
+            return _Span(t.data_offset, t.n_bytes, shape)
+        per_expert = t.n_bytes // shape[0]
+        return _Span(t.data_offset + place.expert * per_expert, per_expert, shape[1:])
 
     def read(self, hf_name: str, expected_shape: tuple[int, ...]) -> GGUFTensor:
-        name, t = self._entry(hf_name, expected_shape)
-        shape = tuple(reversed(t.dims))  # GGUF lists dimensions innermost first
-        if shape != tuple(expected_shape):
+        place = self.architecture.place(hf_name)
+        expected, of = tuple(expected_shape), hf_name
+        if place.expert is not None:  # the layer's experts, stacked on the first axis
+            expected, of = (self.num_experts, *expected), f"{hf_name}: expert {place.expert} of the stacked experts"
+        if place.name not in self.tensors:
             raise GGUFError(
-                f"tensor {name!r} ({hf_name}) in {self.path.name} has shape {list(shape)} but the metadata implies "
-                f"{list(expected_shape)}; the file is inconsistent"
+                f"tensor {place.name!r} ({of}, expected shape {list(expected)}) is missing from GGUF file "
+                f"{str(self.path)!r}; is the file complete and a llama.cpp {self.architecture.gguf_name!r} model?"
+            )
+        t = self.tensors[place.name]
+        shape = tuple(reversed(t.dims))
+        if shape != expected:
+            raise GGUFError(
+                f"tensor {place.name!r} ({of}) in {self.path.name} has shape {list(shape)} but the metadata implies "
+                f"{list(expected)}; the file is inconsistent"
             )
         if t.qtype not in SUPPORTED_TYPES:
             type_name = t.qtype.name if isinstance(t.qtype, QType) else f"{t.qtype} (unknown to the gguf package)"
             raise GGUFError(
-                f"tensor {name!r} in {self.path.name} has type {type_name}; pipejax dequantizes "
+                f"tensor {place.name!r} in {self.path.name} has type {type_name}; pipejax dequantizes "
                 f"{', '.join(q.name for q in SUPPORTED_TYPES)}; use a file quantized to one of those "
                 f"(llama.cpp's llama-quantize) or the Hugging Face checkpoint"
             )
-        rows = shape[0] if len(shape) > 1 else 1
-        raw = np.frombuffer(self._map, np.uint8, t.n_bytes, t.data_offset).reshape(rows, -1)
-        rope_heads = {"attn_q.weight": self.num_heads, "attn_k.weight": self.num_kv_heads}.get(name.split(".", 2)[-1])
-        return GGUFTensor(raw, t.qtype, shape, rope_heads)
+        span = self._span(hf_name)
+        rows = span.shape[0] if len(span.shape) > 1 else 1
+        raw = np.frombuffer(self._map, np.uint8, span.n_bytes, span.offset).reshape(rows, -1)
+        rope_heads = None
+        if self.architecture.rope_rows_interleaved:
+            heads = {"attn_q.weight": self.num_heads, "attn_k.weight": self.num_kv_heads}
+            rope_heads = heads.get(place.name.split(".", 2)[-1])
+        return GGUFTensor(raw, t.qtype, span.shape, rope_heads)
 
     def read_all(self, hf_name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
         """The whole tensor, dequantized to float32, in Hugging Face layout."""
@@ -314,13 +251,17 @@ class GGUFIndex:
 
     def release(self, hf_name: str, rows: tuple[int, int] | None = None) -> None:
         """Drop the pages of ``hf_name`` (or of its rows ``[r0, r1)``) from this process."""
-        t = self.tensors[self.gguf_name(hf_name)]
-        first, nbytes = t.data_offset, t.n_bytes
-        if rows is not None and len(t.dims) > 1:
-            row_bytes = nbytes // t.dims[-1]
+        span = self._span(hf_name)
+        first, nbytes = span.offset, span.n_bytes
+        if rows is not None and len(span.shape) > 1:
+            row_bytes = nbytes // span.shape[0]
             first, nbytes = first + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
         start = first // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, start, max(0, first + nbytes - start))
+
+
+def _field(reader: _Header, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 # tokenizer.ggml.pre -> how text is split before byte-level BPE (llama.cpp's pre-tokenizer types).
