@@ -45,6 +45,13 @@ def test_generate_shows_text_placement_and_speed():
                           "(--cpu-kvcache-space / PIPEJAX_CPU_KVCACHE_SPACE)")
 
 
+def test_generate_keeps_the_default_models_quantization():
+    """The README's command for weights kept quantized, as written: the default model's Q4_1 file."""
+    proc = run_cli("generate", "--quantization", "gguf", "--max-tokens", "8", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout.split("output: ", 1)[1], proc.stdout
+
+
 def test_generate_sizes_its_run_by_its_prompts():
     """Where the user gave no --max-num-seqs / --max-model-len, generate's limits are its prompts'."""
     from pipejax.ray_executor.cli import generate_limits

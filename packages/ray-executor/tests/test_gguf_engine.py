@@ -76,6 +76,23 @@ def test_default_model_on_ray_pp3(expected):
         stop_cluster(cluster)
 
 
+def test_default_model_kept_quantized_on_ray_pp2(expected):
+    """``quantization="gguf"``: the stages keep the file's Q4_1/Q8_0 blocks (dequantized inside each step); the
+    same greedy tokens as transformers on the dequantized file."""
+    cluster = start_cluster([2])
+    try:
+        llm = LLM(None, pipeline_parallel_size=2, distributed_executor_backend="ray", quantization="gguf",
+                  max_model_len=256, max_num_seqs=4, warmup=False)
+        try:
+            assert llm.engine.model_config.quantization == "gguf"
+            ours, theirs = _greedy(llm, expected)
+            assert ours == theirs
+        finally:
+            llm.shutdown()
+    finally:
+        stop_cluster(cluster)
+
+
 def test_tp2_is_a_clear_error():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_attention_heads=9"):
         LLM(None, tensor_parallel_size=2, num_kv_blocks=8, warmup=False)

@@ -9,7 +9,7 @@ from pipejax_test_support import ARCHS, hf_greedy, hf_logits, make_hf_checkpoint
 
 from pipejax.pp_utils import InProcessTransport, stage_meshes
 from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelConfig, StageConfig
 from pipejax.runner.runner import StageRunner
 
 __all__ = ["ARCHS", "GREEDY", "ChainedStages", "greedy_generate", "hf_greedy", "hf_logits", "make_hf_checkpoint",
@@ -24,12 +24,14 @@ class ChainedStages:
     def __init__(self, path, pp: int, tp: int, partition=None, num_blocks: int = 128, block_size: int = 8,
                  expert_parallel: bool = False,
                  decode_attention: str = "auto", decode_layers: str = "auto", few_row_dots: str = "auto",
-                 dense_matmuls: str = "auto", prefill_attention: str = "auto", kernel_build: str = "wait", **cache):
+                 dense_matmuls: str = "auto", prefill_attention: str = "auto", kernel_build: str = "wait",
+                 quantization: str | None = None, **cache):
         meshes = stage_meshes(jax.devices(), pp, tp)
+        model = ModelConfig.from_pretrained(path, quantization=quantization)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, **cache)
         choices = dict(decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots,
                        dense_matmuls=dense_matmuls, prefill_attention=prefill_attention, kernel_build=kernel_build)
-        self.stages = [StageRunner(path, m, StageConfig(i, pp, partition, expert_parallel), cache_cfg, **choices)
+        self.stages = [StageRunner(path, m, StageConfig(i, pp, partition, expert_parallel), cache_cfg, model, **choices)
                        for i, m in enumerate(meshes)]
         self.links = [InProcessTransport(f"stage {i}") for i in range(pp - 1)]
 

@@ -1,6 +1,14 @@
 """pipejax's test oracle: tiny Hugging Face checkpoints made by transformers itself, and transformers'
 logits and greedy generation on them. Shared by every layer's tests (imports no pipejax layer)."""
 
-from pipejax_test_support.hf_oracle import ARCHS, TINY, hf_greedy, hf_logits, hf_prompt_logprobs, make_hf_checkpoint
+from pipejax_test_support.hf_oracle import (
+    ARCHS,
+    TINY,
+    fake_quantize_,
+    hf_greedy,
+    hf_logits,
+    hf_prompt_logprobs,
+    make_hf_checkpoint,
+)
 
-__all__ = ["ARCHS", "TINY", "hf_greedy", "hf_logits", "hf_prompt_logprobs", "make_hf_checkpoint"]
+__all__ = ["ARCHS", "TINY", "fake_quantize_", "hf_greedy", "hf_logits", "hf_prompt_logprobs", "make_hf_checkpoint"]

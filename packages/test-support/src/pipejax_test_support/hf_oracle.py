@@ -50,6 +50,28 @@ def make_hf_checkpoint(
     return model
 
 
+def fake_quantize_(model, quantization: str) -> transformers.PreTrainedModel:
+    """``model`` with every linear weight and the embedding quantized and dequantized in place, as ``quantization``
+    defines them: "int8" one symmetric scale per output row (its largest magnitude maps to 127); "int4" llama.cpp's
+    Q4_0 in blocks of 32 along a row (the gguf package's own quantizer). The weights a quantized pipejax stage
+    computes with; transformers then runs them in float32."""
+    import gguf
+
+    def fake(w: np.ndarray) -> np.ndarray:
+        if quantization == "int4":
+            q4 = gguf.GGMLQuantizationType.Q4_0
+            return gguf.quants.dequantize(gguf.quants.quantize(w, q4), q4).reshape(w.shape)
+        scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+        inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
+        return np.clip(np.rint(w * inverse), -127, 127) * scale
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(torch.from_numpy(fake(module.weight.float().numpy())))
+    return model
+
+
 def hf_logits(model, prompts: list[list[int]]) -> list[np.ndarray]:
     """Last-position logits of each prompt, one forward each."""
     with torch.no_grad():

@@ -16,6 +16,7 @@ import time
 
 from pipejax.ray_executor.engine_args import configure_devices, engine_config_from_args, engine_defaults, env_keywords
 from pipejax.ray_executor.serving.cli_args import add_bench_serve_args, add_serve_args
+from pipejax.runner.config import QUANTIZATION_CHOICES
 
 
 def _positive_seconds(text: str) -> float:
@@ -66,6 +67,10 @@ def _add_engine_args(p: argparse.ArgumentParser, **command_defaults) -> None:
     p.add_argument("--recovery-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="how long a lost stage may take to be replaced before its requests fail (default {default})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
+                   help="keep the weights quantized: 'gguf' keeps a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored, "
+                   "'int8' (a scale per output channel) and 'int4' (blocks of 32, as Q4_0) quantize float weights "
+                   "as they load (default: float weights; a .gguf file's are dequantized)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default {default})")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks per stage (default: what --max-num-seqs x --max-model-len need, within the memory "

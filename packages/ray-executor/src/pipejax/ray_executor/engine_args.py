@@ -139,6 +139,7 @@ def engine_config(
     enable_expert_parallel: bool | None = None,
     distributed_executor_backend: str | None = None,
     dtype: str | None = None,
+    quantization: str | None = None,
     seed: int | None = None,
     model_impl: str | None = None,
     block_size: int | None = None,
@@ -175,7 +176,9 @@ def engine_config(
     every stage on a CPU host; ``pipejax.worker.kv_sizing`` has the arithmetic) and ``cpu_kernel_build``
     (PIPEJAX_CPU_KERNEL_BUILD: how a stage on a CPU host waits for a kernel numba has not built there yet;
     ``pipejax.runner.cpu.select``). ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig``
-    default on accelerators. ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
+    default on accelerators. ``quantization``: keep the weights quantized (``pipejax.runner.quantized``: "gguf"
+    keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored, "int8"/"int4" quantize float weights as they load;
+    None: float weights). ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
     again (Ray backends), giving up after ``recovery_timeout`` seconds."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import EngineConfig, RayConfig
@@ -200,7 +203,7 @@ def engine_config(
     env = environment_defaults(os.environ) | {k: v for k, v in explicit.items() if v is not None}
     return EngineConfig(
         model=ModelSource(resolve_model(model, env.get("model_cache_dir")),
-                          **_given(dtype=dtype, seed=seed, impl=model_impl)),
+                          **_given(dtype=dtype, quantization=quantization, seed=seed, impl=model_impl)),
         parallel=ParallelConfig(**_given(
             pipeline_parallel_size=pipeline_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

@@ -15,7 +15,7 @@ import logging
 import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
@@ -35,6 +35,7 @@ from pipejax.runner.model import (
     stage_rules,
 )
 from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, panel_shape
+from pipejax.runner.quantized import ON_THE_FLY, Format, Quantized, quantize_rows
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
 __all__ = ["CheckpointError", "SafetensorsIndex", "load_stage_params", "open_checkpoint"]
@@ -69,13 +70,15 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int, kinds: tuple[bool, ...]) -> dic
     G, repeat = H // K, K // K0
     whole = 1 << 62  # 1-D tensors (norms, biases) are read in one piece
 
+    # Converters leave the contracted size to ``w`` (-1): a quantized weight's parts go through them too, with
+    # fewer columns (packed nibbles, one scale per block).
     def query_groups(w, r0, r1):  # [n*G*D, E] -> [E, n, G, D]: KV groups' query heads, slots [0, G)
         n = (r1 - r0) // (G * D)
-        return (slice(None), slice(r0 // (G * D), r0 // (G * D) + n), slice(0, G)), w.T.reshape(E, n, G, D)
+        return (slice(None), slice(r0 // (G * D), r0 // (G * D) + n), slice(0, G)), w.T.reshape(-1, n, G, D)
 
     def kv_slot(slot: int) -> Converter:  # [n*D, E] -> [E, n*repeat, 1, D] in a group's slot G (key) or G + 1
         def convert(w, r0, r1):
-            heads = np.repeat(w.T.reshape(E, (r1 - r0) // D, 1, D), repeat, axis=1)
+            heads = np.repeat(w.T.reshape(-1, (r1 - r0) // D, 1, D), repeat, axis=1)
             return (slice(None), slice(r0 // D * repeat, r1 // D * repeat), slice(slot, slot + 1)), heads
 
         return convert
@@ -93,7 +96,7 @@ def _hf_layer_tensors(cfg: ModelConfig, tp: int, kinds: tuple[bool, ...]) -> dic
         return (slice(None), slice(r0, r1)), w.T
 
     def o_proj(w, r0, r1):  # [E, H*D] -> [H, D, E]
-        return (slice(None), slice(None), slice(r0, r1)), w.T.reshape(H, D, r1 - r0)
+        return (slice(None), slice(None), slice(r0, r1)), w.T.reshape(H, -1, r1 - r0)
 
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     e_rows, f_rows = _panel_rows(E), _panel_rows(F)  # chunks of whole panels of a weight's output columns
@@ -161,35 +164,55 @@ def _hf_moe_tensors(cfg: ModelConfig, half, transpose, whole: int) -> dict[str, 
 # memory of loading a stage, besides the stage's own parameters, is about twice this.
 CHUNK_BYTES = 4 << 20
 
-# A piece of a runner parameter: (where, as one slice per dimension; its values).
-Piece = tuple[tuple[slice, ...], np.ndarray]
+# A piece of a runner parameter: (where, as one slice per dimension; its values: one array, or for a weight kept
+# quantized its parts (``quantized.Quantized``'s q, scale and offset), all placed by the same slices).
+Piece = tuple[tuple[slice, ...], np.ndarray | tuple[np.ndarray, ...]]
+
+# One checkpoint tensor of a runner parameter: (HF name, HF shape, rows per unit, converter, where its layer goes).
+Read = tuple[str, tuple[int, ...], int, Converter, tuple[slice, ...]]
 
 
-def _chunks(
-    ckpt: SafetensorsIndex, hf_name: str, hf_shape: tuple[int, ...], unit: int, convert: Converter, prefix=()
-) -> Iterator[Piece]:
-    """``hf_name`` in chunks of whole ``unit`` rows, each converted and placed after ``prefix``.
+def _chunks(ckpt: SafetensorsIndex, read: Read, fmt: Format | None = None, block: int = 0) -> Iterator[Piece]:
+    """A checkpoint tensor in chunks of whole ``unit`` rows, each converted and placed after ``prefix``. ``fmt``:
+    as the parts of a weight kept quantized, in blocks of ``block`` elements of a row (a GGUF tensor in ``fmt``
+    as the file stores it, anything else quantized here).
 
     Each chunk's pages are released once the caller has copied it (when asked for the next).
     """
+    hf_name, hf_shape, unit, convert, prefix = read
     tensor = ckpt.read(hf_name, hf_shape)
     rows = hf_shape[0]
     row_bytes = max(1, tensor.nbytes // max(1, rows))
     step = rows if unit >= rows else max(unit, CHUNK_BYTES // row_bytes // unit * unit)
+    stored = fmt is not None and getattr(tensor, "format", None) == fmt  # GGUF blocks taken as they are
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        where, values = convert(tensor[r0:r1], r0, r1)
+        if fmt is None:
+            where, values = convert(tensor[r0:r1], r0, r1)
+        else:
+            parts = tensor.blocks(slice(r0, r1)) if stored else _quantized(tensor[r0:r1], fmt, block)
+            converted = [convert(part, r0, r1) for part in parts if part is not None]
+            where, values = converted[0][0], tuple(v for _, v in converted)
         yield (*prefix, *where), values
         ckpt.release(hf_name, (r0, r1))
 
 
-def _host_params(
-    ckpt: SafetensorsIndex, cfg: ModelConfig, stage: StageConfig, tp: int
-) -> Iterator[tuple[str, Iterator[Piece]]]:
-    """Yield (runner name, its pieces in runner layout), one parameter at a time, largest first.
+def _quantized(rows: np.ndarray, fmt: Format, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Checkpoint rows [r, n] quantized (``quantize_rows``) with a scale per ``block`` elements of a row, or for a
+    format of a scale per output channel (int8) one per row, repeated for each block of ``block`` (the attention
+    output's [H, D, E] blocks its D: a row's scale once per head)."""
+    if fmt.block:
+        return quantize_rows(rows, fmt, block)
+    q, scale, offset = quantize_rows(rows, fmt, rows.shape[1])
+    return q, np.repeat(scale, rows.shape[1] // block, axis=1), offset
 
-    The pieces of a parameter cover it exactly once. They may be views into the mapped files;
-    the caller copies each before asking for the next one (its pages are released then).
+
+def _host_params(ckpt: SafetensorsIndex, cfg: ModelConfig, stage: StageConfig, tp: int
+                 ) -> Iterator[tuple[str, list[Read]]]:
+    """Yield (runner name, the checkpoint tensors it is made of), one parameter at a time, largest first.
+
+    Their chunks (``_chunks``) cover the parameter exactly once. They may be views into the mapped files; the
+    caller copies each before asking for the next one (its pages are released then).
     """
     V, E = cfg.vocab_size, cfg.hidden_size
 
@@ -200,20 +223,17 @@ def _host_params(
         return (slice(None), slice(r0, r1)), w.T
 
     if stage.has_embedding(cfg):
-        yield "embed", _chunks(ckpt, "model.embed_tokens.weight", (V, E), 1, rows)
+        yield "embed", [("model.embed_tokens.weight", (V, E), 1, rows, ())]
     if stage.is_last and not cfg.tie_word_embeddings:
-        yield "lm_head", _chunks(ckpt, "lm_head.weight", (V, E), _panel_rows(V), columns)
+        yield "lm_head", [("lm_head.weight", (V, E), _panel_rows(V), columns, ())]
     layers = stage.layer_range(cfg)
     for name, sources in _hf_layer_tensors(cfg, tp, layer_kinds(cfg, stage)).items():
-        pieces = (  # row r of a stacked weight: its r-th layer (of its kind, for a MLP's: ``model.layer_rows``)
-            piece
-            for r, i in enumerate(layer_rows(cfg, stage, name))
-            for template, hf_shape, unit, convert in sources
-            for piece in _chunks(ckpt, template.format(i=layers[i]), hf_shape, unit, convert, (slice(r, r + 1),))
-        )
-        yield f"layers.{name}", pieces
+        # row r of a stacked weight: its r-th layer (of its kind, for a MLP's: ``model.layer_rows``)
+        yield f"layers.{name}", [(template.format(i=layers[i]), hf_shape, unit, convert, (slice(r, r + 1),))
+                                 for r, i in enumerate(layer_rows(cfg, stage, name))
+                                 for template, hf_shape, unit, convert in sources]
     if stage.is_last:
-        yield "final_norm", _chunks(ckpt, "model.norm.weight", (E,), E, lambda w, r0, r1: ((), w))
+        yield "final_norm", [("model.norm.weight", (E,), E, lambda w, r0, r1: ((), w), ())]
 
 
 def _page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -242,59 +262,80 @@ def _logical_view(panels: np.ndarray, lead: int, contracted: int) -> np.ndarray:
     return panels.transpose((*range(lead), *ins, *range(lead, lead + outs), panels.ndim - 1))
 
 
-def _place(
-    name: str,
-    pieces: Iterator[Piece],
-    shape: tuple[int, ...],
-    dtype: np.dtype,
-    sharding,
-    panels: tuple[int, int, Any] | None = None,
-) -> jax.Array:
-    """Assemble a parameter on its devices from ``pieces``, one piece in flight at a time.
+class Target(NamedTuple):
+    """A runner array that pieces are placed into: its shape, dtype and sharding, and ``panels``: (lead dims,
+    contracted dims, the panel layout's sharding) of a dense weight to store in panels (``panels.Panels``), each
+    shard filled straight into that layout."""
 
-    Each device's shard is filled in a host buffer and then handed to the device: on CPU that
-    buffer becomes the device buffer (no copy), elsewhere it is copied and dropped. ``panels``: (lead dims,
-    contracted dims, the panel layout's sharding) of a dense weight to store in panels (``panels.Panels``): each
-    shard is filled straight into that layout.
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any
+    panels: tuple[int, int, Any] | None = None
+
+
+def _place(name: str, pieces: Iterator[Piece], targets: list[Target]) -> list[jax.Array]:
+    """Assemble arrays on their devices from ``pieces`` (each piece's values: one per target, a lone array for one
+    target), one piece in flight at a time.
+
+    Each device's shard is filled in a host buffer and then handed to the device: on CPU that buffer becomes the
+    device buffer (no copy), elsewhere it is copied and dropped.
     """
-    indices = sharding.addressable_devices_indices_map(shape)
-    shards = {device: _bounds(index, shape) for device, index in indices.items()}
-    local = {device: tuple(b - a for a, b in box) for device, box in shards.items()}
-    if panels is None:
-        buffers = {device: _page_aligned_empty(s, dtype) for device, s in local.items()}
-        targets = buffers
-    else:
-        lead, contracted, _ = panels
-        buffers = {device: _page_aligned_empty(panel_shape(s, lead, contracted), dtype) for device, s in local.items()}
-        targets = {device: _logical_view(b, lead, contracted) for device, b in buffers.items()}
-    filled = dict.fromkeys(shards, 0)
+    fills = [_Fill(name, t) for t in targets]
     for where, values in pieces:
-        piece = _bounds(where, shape)
+        for fill, part in zip(fills, (values,) if len(fills) == 1 else values, strict=True):
+            fill.write(where, part)
+        del values  # the chunk can go before the next one is read
+    return [fill.array() for fill in fills]
+
+
+class _Fill:
+    """One target's per-device host buffers, filled piece by piece."""
+
+    def __init__(self, name: str, target: Target):
+        self.name, self.target = name, target
+        shape = target.shape
+        indices = target.sharding.addressable_devices_indices_map(shape)
+        self.shards = {device: _bounds(index, shape) for device, index in indices.items()}
+        local = {device: tuple(b - a for a, b in box) for device, box in self.shards.items()}
+        if target.panels is None:
+            self.buffers = {device: _page_aligned_empty(s, target.dtype) for device, s in local.items()}
+            self.targets = self.buffers
+        else:
+            lead, contracted, _ = target.panels
+            self.buffers = {device: _page_aligned_empty(panel_shape(s, lead, contracted), target.dtype)
+                            for device, s in local.items()}
+            self.targets = {device: _logical_view(b, lead, contracted) for device, b in self.buffers.items()}
+        self.filled = dict.fromkeys(self.shards, 0)
+
+    def write(self, where: tuple[slice, ...], values: np.ndarray) -> None:
+        piece = _bounds(where, self.target.shape)
         values = values.reshape([b - a for a, b in piece])
-        for device, box in shards.items():
+        for device, box in self.shards.items():
             common = [(max(p0, s0), min(p1, s1)) for (p0, p1), (s0, s1) in zip(piece, box, strict=True)]
             if any(lo >= hi for lo, hi in common):
                 continue
             into_shard = tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(common, box, strict=True))
             into_piece = tuple(slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(common, piece, strict=True))
             part = values[into_piece]
-            if panels is not None:  # the last dim in whole panels (chunks and shards are cut on panel bounds)
+            if self.target.panels is not None:  # the last dim in whole panels (chunks and shards cut on panel bounds)
                 lo, hi = into_shard[-1].start, into_shard[-1].stop
-                assert lo % PANEL == 0 and hi % PANEL == 0, (name, lo, hi)
+                assert lo % PANEL == 0 and hi % PANEL == 0, (self.name, lo, hi)
                 into_shard = (*into_shard[:-1], slice(lo // PANEL, hi // PANEL))
                 part = part.reshape(*part.shape[:-1], -1, PANEL)
-            targets[device][into_shard] = part
-            filled[device] += int(np.prod([hi - lo for lo, hi in common]))
-        del values  # the chunk can go before the next one is read
-    for device, buffer in buffers.items():  # every element written (the buffers start uninitialised)
-        assert filled[device] == buffer.size, (name, device, filled[device], buffer.size)
-    arrays = [jax.device_put(buffer, device, may_alias=True) for device, buffer in buffers.items()]
-    del buffers, targets
-    if panels is not None:
-        shape, sharding = panel_shape(shape, panels[0], panels[1]), panels[2]
-    out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-    out.block_until_ready()
-    return out
+            self.targets[device][into_shard] = part
+            self.filled[device] += int(np.prod([hi - lo for lo, hi in common]))
+
+    def array(self) -> jax.Array:
+        for device, buffer in self.buffers.items():  # every element written (the buffers start uninitialised)
+            assert self.filled[device] == buffer.size, (self.name, device, self.filled[device], buffer.size)
+        arrays = [jax.device_put(buffer, device, may_alias=True) for device, buffer in self.buffers.items()]
+        del self.buffers, self.targets
+        shape, sharding = self.target.shape, self.target.sharding
+        if self.target.panels is not None:
+            shape, sharding = panel_shape(shape, *self.target.panels[:2]), self.target.panels[2]
+        out = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        out.block_until_ready()
+        return out
 
 
 def open_checkpoint(path: str | Path) -> SafetensorsIndex:
@@ -325,22 +366,83 @@ def use_panels(mesh: Mesh, cfg: ModelConfig) -> bool:
     return mesh.devices.size == 1 and mesh.devices.flat[0].platform == "cpu" and cfg.dtype == "float32"
 
 
+# The weights a stage can keep quantized: the dense projections, the LM head, and the embedding (dequantized by
+# the rows it looks up). Norms, biases, a MoE's router and experts stay in float.
+QUANTIZABLE = (*DENSE_WEIGHTS, "embed")
+
+
+def _blocked_axis(name: str, ndim: int) -> int:
+    """The axis a quantized weight's blocks run along, counted from the end: its last contracted one (the
+    embedding's E, which the tied LM head contracts)."""
+    if name == "embed":
+        return -1
+    lead = 1 if name.startswith(LAYER_PREFIX) else 0
+    return -(ndim - lead - DENSE_WEIGHTS[name] + 1)
+
+
+def _format(ckpt: SafetensorsIndex, name: str, reads: list[Read], quantization: str | None) -> Format | None:
+    """The format ``name`` is kept in, or None for float. ``"gguf"``: the file's own where every tensor of the
+    parameter (all its layers, q/k/v or gate/up alike) has one format pipejax keeps; float otherwise."""
+    if quantization is None or name not in QUANTIZABLE:
+        return None
+    if quantization in ON_THE_FLY:
+        return ON_THE_FLY[quantization]
+    formats = {getattr(ckpt.read(hf_name, hf_shape), "format", None) for hf_name, hf_shape, *_ in reads}
+    if len(formats) == 1 and None not in formats:
+        return formats.pop()
+    log.info("%s stays in float: its GGUF tensors are %s", name, sorted(str(f and f.name) for f in formats))
+    return None
+
+
+def _quantized_targets(name: str, spec, fmt: Format, sharding, mesh: Mesh, rules) -> tuple[list[Target], int]:
+    """Where a weight kept in ``fmt`` goes (q, scale and, for Q4_1, offset: ``quantized.Quantized``) and its
+    blocked axis; refused where its contracted axis, or a TP shard of it, is not whole blocks."""
+    axis, shape = _blocked_axis(name, len(spec.shape)), tuple(spec.shape)
+    n = shape[axis]
+    block = fmt.block_of(n)
+    if n % block:
+        raise CheckpointError(f"{name} ({list(shape)}) has {n} elements along its contracted axis, which is not "
+                              f"whole blocks of {block} for {fmt.name}; use --quantization int8 (a scale per "
+                              f"output channel) or float weights")
+    shard = sharding.shard_shape(shape)[axis]
+    if shard % block and block < n:  # (one scale for the whole axis is on every shard of it)
+        tp = mesh.shape["tp"]
+        raise CheckpointError(f"tensor_parallel_size={tp} splits {name}'s contracted axis of {n} into shards of "
+                              f"{shard}, which cuts its {fmt.name} blocks of {block}; use a tp that divides "
+                              f"{n // block} (its blocks), or --quantization int8")
+    q_shape, s_shape, s_axes = list(shape), list(shape), list(spec.logical_axes)
+    q_shape[axis], s_shape[axis] = n * fmt.bits // 8, n // block
+    if n // block == 1:  # a scale per output channel: the same on every shard of the contracted axis
+        s_axes[axis] = None
+    scale = Target(tuple(s_shape), np.dtype(np.float32), logical_sharding(mesh, tuple(s_axes), rules))
+    targets = [Target(tuple(q_shape), fmt.dtype, sharding), scale]
+    return (targets + [scale] if fmt.offset else targets), axis
+
+
 def load_stage_params(
     path: str | Path, cfg: ModelConfig, stage: StageConfig, mesh: Mesh, panels: bool | None = None
-) -> dict[str, jax.Array | Panels]:
+) -> dict[str, jax.Array | Panels | Quantized]:
     """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis). ``panels``: store the dense
-    weights in panels (``panels.Panels``); None: where ``use_panels`` says so."""
+    weights in panels (``panels.Panels``); None: where ``use_panels`` says so. With ``cfg.quantization``, the
+    weights ``QUANTIZABLE`` names are kept quantized (``quantized.Quantized``)."""
     tp = mesh.shape["tp"]
     specs, rules = param_specs(cfg, stage, tp), stage_rules(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     panels = use_panels(mesh, cfg) if panels is None else panels
     params = {}
     with open_checkpoint(path) as ckpt:
-        for name, pieces in _host_params(ckpt, cfg, stage, tp):
+        for name, reads in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
             sharding = logical_sharding(mesh, spec.logical_axes, rules)
+            if (fmt := _format(ckpt, name, reads, cfg.quantization)) is not None:
+                targets, axis = _quantized_targets(name, spec, fmt, sharding, mesh, rules)
+                block = fmt.block_of(spec.shape[axis])
+                parts = _place(name, (p for read in reads for p in _chunks(ckpt, read, fmt, block)), targets)
+                params[name] = Quantized(parts[0], parts[1], parts[2] if fmt.offset else None, fmt, axis)
+                continue
             layout = _panels_for(name, spec, sharding, mesh, rules) if panels else None
-            params[name] = _place(name, pieces, tuple(spec.shape), dtype, sharding, layout)
+            pieces = (p for read in reads for p in _chunks(ckpt, read))
+            (params[name],) = _place(name, pieces, [Target(tuple(spec.shape), dtype, sharding, layout)])
             if layout is not None:
                 params[name] = Panels(params[name])
     missing = set(specs) - set(params)

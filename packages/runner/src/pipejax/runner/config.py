@@ -14,6 +14,16 @@ log = logging.getLogger(__name__)
 
 AUTO_PARTITION = "auto"  # the --pp-layer-partition value that asks for a split balanced by cost
 
+# --quantization (``quantized``): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored; "int8" and "int4"
+# quantize float weights as they load; None keeps float weights (a GGUF file's dequantized as they load).
+QUANTIZATION_CHOICES = ("gguf", "int8", "int4")
+
+
+def check_quantization(value: str | None) -> None:
+    if value is not None and value not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization={value!r} is not one pipejax knows; use one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}, or none for float weights")
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -101,6 +111,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # Mixture-of-Experts layers (None: every layer's MLP is dense)
+    quantization: str | None = None  # weights kept quantized (``quantized.QUANTIZATION_CHOICES``); None: float
 
     @classmethod
     def from_hf(cls, hf: dict, dtype: str | None = None) -> ModelConfig:
@@ -194,12 +205,18 @@ class ModelConfig:
                          last_time=float(table + h), last_bytes=float((table + h) * size))
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: str | None = None) -> ModelConfig:
-        """From a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one)."""
+    def from_pretrained(cls, path: str | Path, dtype: str | None = None, quantization: str | None = None
+                        ) -> ModelConfig:
+        """From a Hugging Face checkpoint folder, or a GGUF file (or a folder holding one). ``quantization``: keep
+        the weights quantized (``quantized.QUANTIZATION_CHOICES``), refused where the checkpoint cannot be."""
         from pipejax.runner import gguf_file
 
+        check_quantization(quantization)
         if (gguf := gguf_file.find_gguf(path)) is not None:
-            return cls.from_hf(gguf_file.hf_config(gguf_file.open_reader(gguf), gguf), dtype=dtype)
+            reader = gguf_file.open_reader(gguf)
+            gguf_file.check_quantization(reader, gguf, quantization)
+            return dataclasses.replace(cls.from_hf(gguf_file.hf_config(reader, gguf), dtype=dtype),
+                                       quantization=quantization)
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -207,7 +224,16 @@ class ModelConfig:
                 f"no config.json in model path {str(path)!r}; give a folder holding a Hugging Face checkpoint "
                 f"(config.json + *.safetensors) or a .gguf file, or 'builtin' for the built-in model"
             )
-        return cls.from_hf(json.loads(config_file.read_text()), dtype=dtype)
+        hf = json.loads(config_file.read_text())
+        if quantization == "gguf":
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized tensors, but {str(path)!r} is a "
+                             f"safetensors checkpoint; give a .gguf file, or use --quantization int8 or int4")
+        if quantization is not None and hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "?")
+            raise ValueError(f"{str(path)!r} is already quantized ({method}, its config.json's quantization_config); "
+                             f"--quantization {quantization} quantizes float weights: drop it, or give the float "
+                             f"checkpoint")
+        return dataclasses.replace(cls.from_hf(hf, dtype=dtype), quantization=quantization)
 
 
 def _hf_dtype(hf: dict) -> str:
@@ -236,8 +262,16 @@ class ModelSource:
 
     path: str  # a folder holding a Hugging Face checkpoint, or a GGUF file (the edges resolve a name to it)
     dtype: str | None = None  # None: the checkpoint's
+    quantization: str | None = None  # keep the weights quantized (``ModelConfig.quantization``); None: float
     seed: int = 0
     impl: str = "jax"  # or a name registered in the pipejax.model_impls entry-point group
+
+    def model_config(self) -> ModelConfig:
+        """The model's config as this source loads it (its dtype, its quantization)."""
+        if self.quantization is not None and self.impl != "jax":
+            raise ValueError(f"quantization={self.quantization!r} keeps weights quantized in pipejax's JAX model, not "
+                             f"in model_impl={self.impl!r}; use model_impl='jax', or leave quantization out")
+        return ModelConfig.from_pretrained(self.path, dtype=self.dtype, quantization=self.quantization)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,15 @@ from gguf import GGMLQuantizationType as QType
 
 from pipejax.runner.errors import GGUFError
 from pipejax.runner.gguf_architectures import Architecture, architecture, hf_config
+from pipejax.runner.quantized import BLOCK as QBLOCK
+from pipejax.runner.quantized import Q4_0, Q4_1, Q8_0, Format
 
 log = logging.getLogger(__name__)
 
 # The types pipejax dequantizes (each row of a 2-D tensor is whole blocks, so rows read alone).
 SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q8_0)
+# Those a stage can also keep as they are (``--quantization gguf``): their ``quantized`` formats.
+GGUF_FORMATS = {QType.Q8_0: Q8_0, QType.Q4_0: Q4_0, QType.Q4_1: Q4_1}
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -156,17 +160,43 @@ class GGUFTensor:
         self.rope_heads = rope_heads  # Q/K: the head count whose rows llama.cpp interleaved
         self.nbytes = int(np.prod(shape)) * 4  # dequantized (float32) size, which sets the chunk size
 
+    @property
+    def format(self) -> Format | None:
+        """The quantized format its blocks are in (``quantized.Format``), or None for a float tensor."""
+        return GGUF_FORMATS.get(self.qtype)
+
     def __getitem__(self, rows: slice) -> np.ndarray:
         r0, r1, _ = rows.indices(self.shape[0])
         if len(self.shape) == 1:
             return gguf.quants.dequantize(self.raw, self.qtype).reshape(-1)[r0:r1]
         values = gguf.quants.dequantize(self.raw[r0:r1], self.qtype).reshape(r1 - r0, *self.shape[1:])
+        return self._unpermuted(values, r0, r1)
+
+    def blocks(self, rows: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Rows of a quantized 2-D tensor as they are stored, repacked with no float round trip: (q [r, n] (4-bit:
+        [r, n / 2], nibbles as the file packs them), scale [r, n / 32], offset or None), as ``quantized`` holds
+        a weight."""
+        r0, r1, _ = rows.indices(self.shape[0])
+        fmt, n = self.format, self.shape[-1]
+        assert fmt is not None and len(self.shape) == 2, (self.qtype, self.shape)
+        blocks = self.raw[r0:r1].reshape(r1 - r0, n // QBLOCK, -1)  # [r, blocks, bytes of a block]
+
+        def halves(at: int) -> np.ndarray:  # the float16 at byte ``at`` of every block, as float32 [r, blocks]
+            return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+        data_at = 4 if fmt.offset else 2  # Q4_1: scale, minimum, nibbles; Q8_0 and Q4_0: scale, values
+        q = np.ascontiguousarray(blocks[..., data_at:]).view(fmt.dtype).reshape(r1 - r0, -1)
+        parts = (q, halves(0), halves(2) if fmt.offset else None)
+        return tuple(None if p is None else self._unpermuted(p, r0, r1) for p in parts)
+
+    def _unpermuted(self, values: np.ndarray, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of ``values`` (rows first) in Hugging Face order."""
         if self.rope_heads is None:
             return values
         head_dim = self.shape[0] // self.rope_heads
         assert r0 % head_dim == 0 and r1 % head_dim == 0, (r0, r1, head_dim)  # whole heads only
         # llama.cpp stores head rows as pairs (i, D/2 + i); put the two halves back one after the other.
-        heads = values.reshape((r1 - r0) // head_dim, head_dim // 2, 2, *self.shape[1:])
+        heads = values.reshape((r1 - r0) // head_dim, head_dim // 2, 2, *values.shape[1:])
         return heads.swapaxes(1, 2).reshape(values.shape)
 
 
@@ -258,6 +288,19 @@ class GGUFIndex:
             first, nbytes = first + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
         start = first // mmap.PAGESIZE * mmap.PAGESIZE
         self._map.madvise(mmap.MADV_DONTNEED, start, max(0, first + nbytes - start))
+
+
+def check_quantization(reader: _Header, path: Path, quantization: str | None) -> None:
+    """Refuse ``--quantization int8/int4`` on a file whose weights are already quantized (naming the first such
+    tensor): quantizing dequantized blocks again would only lose more."""
+    if quantization in (None, "gguf"):
+        return
+    stored = next((t for t in reader.tensors.values() if t.qtype not in (QType.F32, QType.F16, QType.BF16)), None)
+    if stored is not None:
+        kind = stored.qtype.name if isinstance(stored.qtype, QType) else stored.qtype
+        raise GGUFError(f"--quantization {quantization} quantizes float weights, but {path.name} is already quantized "
+                        f"(tensor {stored.name!r} is {kind}); use --quantization gguf to keep the file's own "
+                        f"quantization, or a float (F32/F16/BF16) file")
 
 
 def _field(reader: _Header, key: str, default=None):

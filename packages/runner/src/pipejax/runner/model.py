@@ -22,6 +22,7 @@ from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.moe import moe_mlp, moe_param_shapes, moe_rules
 from pipejax.runner.panels import PANEL, Panels, dense, outputs_first, panel_shape
+from pipejax.runner.quantized import Quantized, dequantize
 from pipejax.runner.rope import RopeTables, apply_rope, rope_inv_freq, rope_tables
 from pipejax.runner.step_inputs import StepInputs, StepShape
 
@@ -184,6 +185,13 @@ def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, dense_kernel
     """residual + the MLP of x (both [T, E])."""
     act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # swiglu(gate, up) [T, F]
     return dense(act, p["down"], 1, dense_kernel, residual=residual)
+
+
+def embed(table: jax.Array | Quantized, token_ids: jax.Array, dtype) -> jax.Array:
+    """The embedding rows of ``token_ids`` [T] -> [T, E] (of a table kept quantized: those rows dequantized)."""
+    if isinstance(table, Quantized):
+        return dequantize(table.rows(token_ids), dtype)
+    return table[token_ids].astype(dtype)
 
 
 # --- paged attention over one ragged batch ----------------------------------------------------
@@ -358,9 +366,13 @@ def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
 # --- the stage -----------------------------------------------------------------------------------
 
 
-def _rows(w: jax.Array | Panels) -> list:
+def _rows(w: jax.Array | Panels | Quantized) -> list:
     """A stacked weight's layers (panels: the whole stack and a layer index, as the dense kernel reads them)."""
-    return [Panels(w.data, i) for i in range(w.data.shape[0])] if isinstance(w, Panels) else list(w)
+    if isinstance(w, Panels):
+        return [Panels(w.data, i) for i in range(w.data.shape[0])]
+    if isinstance(w, Quantized):
+        return [jax.tree.map(lambda a, i=i: a[i], w) for i in range(w.q.shape[0])]
+    return list(w)
 
 
 def stage_forward(
@@ -380,7 +392,7 @@ def stage_forward(
     weights replaced by ``"layers"``: a list of per-layer dicts (``cpu.layer_views.per_layer``), read in turn.
     ``kernels``: a backend's substitutes for parts of the formulation here (``Kernels``)."""
     if stage.is_first:
-        x = params["embed"][inp.token_ids].astype(jnp.dtype(cfg.dtype))  # [T, E]
+        x = embed(params["embed"], inp.token_ids, jnp.dtype(cfg.dtype))  # [T, E]
     else:
         x = hidden_in
     rope = rope_tables(inp.positions, jnp.asarray(rope_inv_freq(cfg)), x.dtype)
@@ -423,6 +435,10 @@ def lm_head(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, kernel
     """Float32 logits [n, V] of final hidden states x [n, E]: the final norm, then the LM head (the tied embedding
     where tied)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [E, V]
+    if cfg.tie_word_embeddings:
+        table = params["embed"]
+        head = (dequantize(table, x.dtype) if isinstance(table, Quantized) else table).T  # [E, V]
+    else:
+        head = params["lm_head"]
     return dense(x, head, 1, kernels.dense).astype(jnp.float32)
 

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import jax
 
+from pipejax.runner.quantized import Quantized, dequantize
+
 PANEL = 32
 # The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
 DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
@@ -62,7 +64,10 @@ def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
     with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``model.Kernels.dense``), used for weights
     in panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result swiglu(gate, up) [T, *rest].
-    ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place)."""
+    ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place). A weight kept quantized
+    (``quantized.Quantized``) is dequantized into the dot."""
+    if isinstance(w, Quantized):
+        w = dequantize(w, x.dtype)
     if not isinstance(w, Panels):
         y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
         y = swiglu(y[:, 0], y[:, 1]) if gated else y

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from pipejax.pp_utils import DEFAULT_RECEIVE_TIMEOUT_S, ActivationTransport, stage_mesh
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams, ScheduledRequest
-from pipejax.runner.config import CacheConfig, ModelConfig, ModelSource, SchedulerConfig, StageConfig
+from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig, StageConfig
 from pipejax.runner.runner import StageRunner, kv_bytes_per_block
 from pipejax.worker import compile_stats
 from pipejax.worker.compile_stats import CompileStats
@@ -128,7 +128,7 @@ class StageWorker:
         self.devices = devices
         self.mesh = stage_mesh(devices)
         self.recv, self.send = recv, send
-        self.model_config = ModelConfig.from_pretrained(config.model.path, dtype=config.model.dtype)
+        self.model_config = config.model.model_config()
         self.limits = config.scheduler.for_model(self.model_config)
         self.runner: StageRunner | None = None
         # (pp_rank, step_id, start, end) of the last ``step_trace_len`` steps: bounded, off by default

@@ -25,7 +25,7 @@ from pipejax.ray_executor.executor.base import Executor, NoStageLost, StagesLost
 from pipejax.ray_executor.executor.factory import create_executor
 from pipejax.ray_executor.platforms import current_platform
 from pipejax.runner.batch import ModelBatch, SamplerOutput, SamplingParams
-from pipejax.runner.config import AUTO_PARTITION, ModelConfig, auto_partition, check_expert_parallel
+from pipejax.runner.config import AUTO_PARTITION, auto_partition, check_expert_parallel
 from pipejax.runner.tokenizer import Tokenizer, has_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor | None = None, placement_group=None):
         """``placement_group``: one the caller already created (e.g. Ray Serve, the DP launcher) for the
         Ray executor's stages; None lets the executor create (and remove) its own."""
-        self.model_config = ModelConfig.from_pretrained(config.model.path, dtype=config.model.dtype)
+        self.model_config = config.model.model_config()
         requested_len = config.scheduler.max_model_len
         # max_model_len is resolved here, once, against the model; the stages get it resolved.
         parallel = checked_layout(config.parallel, config.platform_plugin)

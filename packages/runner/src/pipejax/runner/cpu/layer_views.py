@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.model import LAYER_PREFIX, per_layer_weights, stacked_layers
 from pipejax.runner.panels import Panels
+from pipejax.runner.quantized import Quantized
 
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
 # bytes the CPU backend needs to adopt it); a larger one that is not aliased is an error, not a second copy.
@@ -40,8 +41,14 @@ def _layers_of(w: jax.Array) -> list[jax.Array]:
     return [jax.make_array_from_single_device_arrays(w.shape[1:], sharding, arrays) for arrays in layers]
 
 
-def _layers(w: jax.Array | Panels) -> list:
-    return [Panels(v) for v in _layers_of(w.data)] if isinstance(w, Panels) else _layers_of(w)
+def _layers(w: jax.Array | Panels | Quantized) -> list:
+    if isinstance(w, Panels):
+        return [Panels(v) for v in _layers_of(w.data)]
+    if isinstance(w, Quantized):  # each of its parts by layers
+        parts = [None if a is None else _layers_of(a) for a in (w.q, w.scale, w.offset)]
+        return [Quantized(q, s, None if parts[2] is None else parts[2][i], w.fmt, w.axis)
+                for i, (q, s) in enumerate(zip(parts[0], parts[1], strict=True))]
+    return _layers_of(w)
 
 
 def per_layer(params: dict[str, jax.Array | Panels], cfg: ModelConfig, stage: StageConfig) -> dict:
