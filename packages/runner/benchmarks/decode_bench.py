@@ -30,9 +30,9 @@ class DecodeSteps:
     its own (``bench_support.EngineProcess``), two models' steps can be timed alternately."""
 
     def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
-                 few_row_dots: str = "auto", dense_matmuls: str = "auto"):
+                 few_row_dots: str = "auto", dense_matmuls: str = "auto", quantization: str | None = None):
         self.bench = DecodeBench(path, batches, decode_attention, decode_layers, dense_matmuls,
-                                 few_row_dots=few_row_dots)
+                                 few_row_dots=few_row_dots, quantization=quantization)
         self.first_step_s = self.bench.compile_steps(batches)
 
     def seconds(self, batch: int, repeats: int) -> list[float]:
@@ -51,11 +51,11 @@ class DecodeSteps:
 
 def decode_times(
     path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto",
-    few_row_dots: str = "auto", dense_matmuls: str = "auto",
-) -> dict[int, tuple[float, float, float]]:
+    few_row_dots: str = "auto", dense_matmuls: str = "auto", quantization: str | None = None,
+) -> tuple[dict[int, tuple[float, float, float]], int]:
     """(median, min, max) seconds of a decode step at each batch (``DecodeSteps``), the runner built with these
-    switches."""
-    steps = DecodeSteps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls)
+    switches; and the bytes of the weights a step reads (all it holds, but an embedding only looked up)."""
+    steps = DecodeSteps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls, quantization)
     print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in steps.switches().items()))
     for b, seconds in steps.first_step_s.items():
         print(f"batch {b}: first step (its compile included) {seconds:.2f} s")
@@ -63,7 +63,8 @@ def decode_times(
     for b in batches:
         times = steps.seconds(b, repeats)
         out[b] = (statistics.median(times), min(times), max(times))
-    return out
+    params, tied = steps.bench.runner.params, steps.bench.cfg.tie_word_embeddings
+    return out, sum(w.nbytes for name, w in params.items() if tied or name != "embed")
 
 
 # The probe's own peak RSS is VmHWM of /proc/self/status (the high-water mark of its address space,
@@ -83,7 +84,7 @@ def peak_rss():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 path, pp_rank, pp_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-cfg = ModelConfig.from_pretrained(path)
+cfg = ModelConfig.from_pretrained(path, quantization=sys.argv[4] or None)
 mesh = stage_mesh(jax.devices()[:1])
 jax.device_put(jax.numpy.zeros(1)).block_until_ready()
 base = peak_rss()
@@ -94,11 +95,11 @@ print(json.dumps({"base": base, "peak": peak, "param_bytes": sum(p.nbytes for p 
 """
 
 
-def load_rss(path: str, pp_rank: int, pp_size: int) -> dict:
+def load_rss(path: str, pp_rank: int, pp_size: int, quantization: str | None = None) -> dict:
     """Peak RSS of loading one stage's weights (pp_rank of pp_size) in a fresh process on one CPU device."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     proc = subprocess.run(
-        [sys.executable, "-c", RSS_PROBE, path, str(pp_rank), str(pp_size)],
+        [sys.executable, "-c", RSS_PROBE, path, str(pp_rank), str(pp_size), quantization or ""],
         capture_output=True,
         text=True,
         check=True,
@@ -124,13 +125,15 @@ def main() -> None:
                         "(auto: the kernel on CPU in float32)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the built-in bench model)")
+    parser.add_argument("--quantization", choices=("gguf", "int8", "int4"), default=None,
+                        help="weights kept quantized (the floor then counts the bytes the stage holds)")
     args = parser.parse_args()
 
     from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
     from pipejax.runner.config import ModelConfig
 
     path = args.model or str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = ModelConfig.from_pretrained(path, quantization=args.quantization)
     rates = machine_rates(references=False)
     flops_rate, bandwidth = rates["flops"], rates["bandwidth"]
     print(
@@ -139,13 +142,17 @@ def main() -> None:
     )
     results = {"matmul_gflops": flops_rate / 1e9, "memory_gbps": bandwidth / 1e9, "decode": {}}
     name = args.model or "benchmark model"
-    print(f"\ndecode step, {name} (fp32, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
+    held = f"weights {args.quantization}" if args.quantization else "fp32"
+    print(f"\ndecode step, {name} ({held}, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
     print("| batch | step ms | floor ms | step / floor | bound by |")
     print("|---:|---:|---:|---:|---|")
-    for b, (med, lo, hi) in decode_times(path, args.batches, args.repeats, args.decode_attention,
-                                                     args.decode_layers, args.few_row_dots,
-                                                     args.dense_matmuls).items():
+    times, held_bytes = decode_times(path, args.batches, args.repeats, args.decode_attention, args.decode_layers,
+                                     args.few_row_dots, args.dense_matmuls, args.quantization)
+    results["weight_bytes_read"] = held_bytes
+    for b, (med, lo, hi) in times.items():
         flops, weight_bytes = step_cost(cfg, b)
+        if args.quantization:  # the bytes held (packed)
+            weight_bytes = held_bytes
         compute, memory = flops / flops_rate, weight_bytes / bandwidth
         floor = max(compute, memory)
         bound = "compute" if compute >= memory else "memory"
@@ -153,8 +160,8 @@ def main() -> None:
         print(f"| {b} | {step} | {floor * 1e3:.1f} | {med / floor:.2f}x | {bound} |")
         results["decode"][b] = {"ms": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "floor_ms": floor * 1e3}
     if not args.no_rss:
-        whole = load_rss(path, 0, 1)
-        stages = [load_rss(path, r, 2) for r in range(2)]
+        whole = load_rss(path, 0, 1, args.quantization)
+        stages = [load_rss(path, r, 2, args.quantization) for r in range(2)]
         print("\npeak RSS while loading (fresh process each; growth over the process after importing JAX)")
         print("| what | RSS growth MB | parameters MB |")
         print("|---|---:|---:|")

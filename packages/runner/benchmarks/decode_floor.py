@@ -46,11 +46,12 @@ PREFILL_ROWS, PREFILL_LEN = 16, 128  # one 2048-token prefill step: 16 prompts x
 
 class DecodeBench:
     def __init__(self, path: str, batches: list[int], decode_attention: str = "auto", decode_layers: str = "auto",
-                 dense_matmuls: str = "auto", prefill_attention: str = "auto", few_row_dots: str = "auto"):
+                 dense_matmuls: str = "auto", prefill_attention: str = "auto", few_row_dots: str = "auto",
+                 quantization: str | None = None):
         import jax
 
         from pipejax.pp_utils import stage_mesh
-        from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
+        from pipejax.runner.config import CacheConfig, ModelConfig, SchedulerConfig, StageConfig
         from pipejax.runner.runner import StageRunner
 
         self.block = 16
@@ -58,7 +59,8 @@ class DecodeBench:
         cache = CacheConfig(block_size=self.block, num_blocks=1 + max(batches) * self.per_request)
         limits = SchedulerConfig(max_model_len=256, max_num_seqs=max(batches),
                                  max_num_batched_tokens=max(max(batches), PREFILL_ROWS * PREFILL_LEN))
-        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, scheduler=limits,
+        model = ModelConfig.from_pretrained(path, quantization=quantization)
+        self.runner = StageRunner(path, stage_mesh(jax.devices()[:1]), StageConfig(), cache, model, scheduler=limits,
                                   decode_attention=decode_attention, decode_layers=decode_layers,
                                   dense_matmuls=dense_matmuls, prefill_attention=prefill_attention,
                                   few_row_dots=few_row_dots)

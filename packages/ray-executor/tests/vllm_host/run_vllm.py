@@ -37,6 +37,7 @@ def run_vllm(spec: dict) -> dict:
         num_gpu_blocks_override=spec.get("num_gpu_blocks_override"),
         seed=0,
         enable_expert_parallel=spec.get("expert_parallel", False),
+        quantization=spec.get("quantization"),
     )
     try:
         if "kill_stage" in spec:

@@ -8,6 +8,7 @@ executors), on JAX's CPU backend with simulated devices. The oracle is transform
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -20,7 +21,7 @@ import pytest
 import torch
 import transformers
 from oracle import TINY, hf_greedy_with, make_checkpoint, only, vllm_penalties  # the ray-executor tests' oracle
-from pipejax_test_support import hf_greedy
+from pipejax_test_support import fake_quantize_, hf_greedy
 
 from pipejax.runner.builtin_model import write_byte_tokenizer
 
@@ -46,15 +47,24 @@ def run_engine(spec: dict, timeout: float = 420, **env: str) -> dict:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """arch -> (checkpoint folder, transformers model, its greedy outputs on ``workload()``), each made once."""
+    """(arch, quantization) -> (checkpoint folder, transformers model, its greedy outputs on ``workload()``), each
+    made once. With a quantization the model computes with the weights quantized and dequantized
+    (``fake_quantize_``), as a stage quantizing them at load does."""
 
     @functools.cache
-    def get(arch: str):
+    def made(arch: str):
         path = tmp_path_factory.mktemp(arch)
         model = make_moe_checkpoint(path) if arch == "MixtralForCausalLM" else make_checkpoint(path, arch,
                                                                                                 vocab_size=VOCAB)
         write_byte_tokenizer(path, VOCAB)
-        return str(path), model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()]
+        return str(path), model
+
+    @functools.cache
+    def get(arch: str, quantization: str | None = None):
+        path, model = made(arch)
+        if quantization is not None:
+            model = fake_quantize_(copy.deepcopy(model), quantization)
+        return path, model, [hf_greedy(model, b, MAX_TOKENS) for b in workload()]
 
     return get
 
@@ -96,7 +106,8 @@ def workload(seed: int = 0) -> list[list[list[int]]]:
 # (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) over an uneven 3-stage split, whose graph edges carry only pipejax's
 # step handles; and its default Ray executor under `vllm serve` below.
 LAYOUTS = [  # (architecture, pp, tp, executor, uneven layer split, extra environment)
-    pytest.param("LlamaForCausalLM", 1, 2, "uni", None, {}, id="llama-pp1-tp2-uni"),
+    # weights quantized at load (vLLM's quantization="int8", registered by pipejax's platform)
+    pytest.param("LlamaForCausalLM", 1, 2, "uni", None, {"quantization": "int8"}, id="llama-pp1-tp2-uni-int8"),
     pytest.param("Qwen2ForCausalLM", 2, 2, "mp", "auto", {}, id="qwen2-pp2-tp2-mp-auto"),
     pytest.param("LlamaForCausalLM", 3, 2, "ray", "1,3,2", {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "0"},
                  id="llama-pp3-tp2-ray-compiled-graph-uneven"),
@@ -115,11 +126,14 @@ def assert_same_tokens(got: list[list[list[int]]], want: list[list[list[int]]]) 
 
 @pytest.mark.parametrize(("arch", "pp", "tp", "backend", "partition", "env"), LAYOUTS)
 def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, partition, env):
-    path, model, want = checkpoints(arch)
+    env = dict(env)
+    quantization = env.pop("quantization", None)
+    path, model, want = checkpoints(arch, quantization)
     num_layers = model.config.num_hidden_layers
     moe = arch == "MixtralForCausalLM"
     spec = {"model": path, "pp": pp, "tp": tp, "backend": backend, "batches": workload(),
-            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS, "expert_parallel": moe}
+            "max_tokens": MAX_TOKENS, "num_gpu_blocks_override": KV_BLOCKS, "expert_parallel": moe,
+            "quantization": quantization}
     if partition:
         env = {**env, "VLLM_PP_LAYER_PARTITION": partition}
     got = run_engine(spec, **env)
@@ -129,6 +143,7 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     assert [s["pp_rank"] for s in stats] == list(range(pp))  # one vLLM rank per pipeline stage
     assert all(len(s["devices"]) == tp for s in stats)  # ... owning its TP devices
     assert [s["experts_per_device"] for s in stats] == [8 // tp if moe else 0] * pp  # whole experts per device
+    assert all(s["quantized"] == ([quantization] if quantization else []) for s in stats)  # kept quantized
     layers = [s["layers"] for s in stats]
     if partition == "auto":  # every stage derives the same cost-balanced split
         assert sum(b - a for a, b in layers) == num_layers

@@ -64,6 +64,14 @@ class PipejaxPlatform(Platform):
     device_control_env_var = "TPU_VISIBLE_CHIPS"
     ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]  # the stage sets its own chips
     simple_compile_backend = "eager"  # nothing of pipejax runs through torch.compile
+    # quantization= names pipejax's loader takes (``vllm_quantization``); vLLM refuses the others itself
+    supported_quantization = ["int8", "int4"]
+
+    @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        from pipejax.platform_tpu import vllm_quantization
+
+        vllm_quantization.register()
     additional_env_vars = FORWARDED_ENV
 
     @classmethod

@@ -206,7 +206,8 @@ class VllmStageWorker(WorkerBase):
     def _worker_config(self, stage: StageConfig) -> WorkerConfig:
         sched, mc = self.scheduler_config, self.model_config
         return self.options.worker_config(
-            ModelSource(mc.model, dtype=str(mc.dtype).removeprefix("torch."), seed=mc.seed or 0),
+            ModelSource(mc.model, dtype=str(mc.dtype).removeprefix("torch."), quantization=mc.quantization,
+                        seed=mc.seed or 0),
             stage,
             # on CPU the host's KV budget (the options') is shared with the stages of vLLM's other data-parallel
             # engines on this host
@@ -291,6 +292,8 @@ class VllmStageWorker(WorkerBase):
             "layers": (layers.start, layers.stop),
             "devices": [str(d) for d in sw.devices],
             "experts_per_device": 0 if experts is None else experts.addressable_shards[0].data.shape[1],
+            # the weights kept quantized, by format (``pipejax.runner.quantized.Quantized``)
+            "quantized": sorted({w.fmt.name for w in getattr(sw.runner, "params", {}).values() if hasattr(w, "fmt")}),
             "num_blocks": sw.runner.num_blocks if sw.runner else 0,
             "activation_bytes_sent": self.stage_worker.activation_bytes_sent(),
             **self.model_runner.states.counts,
