@@ -27,6 +27,7 @@ from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import CheckpointError
 from pipejax.runner.model import (
     LAYER_PREFIX,
+    ParamSpec,
     kv_heads_for_tp,
     layer_kinds,
     layer_rows,
@@ -34,7 +35,7 @@ from pipejax.runner.model import (
     param_specs,
     stage_rules,
 )
-from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, panel_shape
+from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, QuantizedPanels, panel_shape
 from pipejax.runner.quantized import ON_THE_FLY, Format, Quantized, quantize_rows
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
@@ -394,9 +395,11 @@ def _format(ckpt: SafetensorsIndex, name: str, reads: list[Read], quantization: 
     return None
 
 
-def _quantized_targets(name: str, spec, fmt: Format, sharding, mesh: Mesh, rules) -> tuple[list[Target], int]:
+def _quantized_targets(name: str, spec, fmt: Format, sharding, mesh: Mesh, rules, panels: bool
+                       ) -> tuple[list[Target], int]:
     """Where a weight kept in ``fmt`` goes (q, scale and, for Q4_1, offset: ``quantized.Quantized``) and its
-    blocked axis; refused where its contracted axis, or a TP shard of it, is not whole blocks."""
+    blocked axis; refused where its contracted axis, or a TP shard of it, is not whole blocks. ``panels``: each part
+    in panels where the weight can be (``panels.QuantizedPanels``)."""
     axis, shape = _blocked_axis(name, len(spec.shape)), tuple(spec.shape)
     n = shape[axis]
     block = fmt.block_of(n)
@@ -414,9 +417,40 @@ def _quantized_targets(name: str, spec, fmt: Format, sharding, mesh: Mesh, rules
     q_shape[axis], s_shape[axis] = n * fmt.bits // 8, n // block
     if n // block == 1:  # a scale per output channel: the same on every shard of the contracted axis
         s_axes[axis] = None
-    scale = Target(tuple(s_shape), np.dtype(np.float32), logical_sharding(mesh, tuple(s_axes), rules))
-    targets = [Target(tuple(q_shape), fmt.dtype, sharding), scale]
-    return (targets + [scale] if fmt.offset else targets), axis
+    parts = [(ParamSpec(tuple(q_shape), spec.logical_axes), fmt.dtype),
+             (ParamSpec(tuple(s_shape), tuple(s_axes)), np.dtype(np.float32))]
+    parts += parts[1:] if fmt.offset else []
+    targets = []
+    for part, dtype in parts:
+        part_sharding = logical_sharding(mesh, part.logical_axes, rules)
+        layout = _panels_for(name, part, part_sharding, mesh, rules) if panels else None
+        targets.append(Target(part.shape, dtype, part_sharding, layout))
+    if any(t.panels is None for t in targets):  # all in panels or none
+        targets = [t._replace(panels=None) for t in targets]
+    return targets, axis
+
+
+def _load_quantized(ckpt: SafetensorsIndex, name: str, reads: list[Read], spec, fmt: Format, mesh: Mesh, rules,
+                    cfg: ModelConfig, panels: bool) -> Quantized | QuantizedPanels:
+    """Parameter ``name`` kept in ``fmt``: in panels where ``panels`` (a tied embedding as the LM head's: [E, V],
+    its rows read as columns), else as ``quantized.Quantized``."""
+    layout_of = name
+    if panels and name == "embed" and cfg.tie_word_embeddings:
+        layout_of, (V, E) = "lm_head", spec.shape
+        spec = ParamSpec((E, V), ("embed", "vocab"))
+        reads = [(hf_name, hf_shape, _panel_rows(V), lambda w, r0, r1: ((slice(None), slice(r0, r1)), w.T), prefix)
+                 for hf_name, hf_shape, _, _, prefix in reads]
+    sharding = logical_sharding(mesh, spec.logical_axes, rules)
+    targets, axis = _quantized_targets(layout_of, spec, fmt, sharding, mesh, rules, panels)
+    block = fmt.block_of(spec.shape[axis])
+    parts = _place(name, (p for read in reads for p in _chunks(ckpt, read, fmt, block)), targets)
+    offset = parts[2] if fmt.offset else None
+    if targets[0].panels is not None:
+        return QuantizedPanels(parts[0], parts[1], offset, fmt)
+    if layout_of != name:  # the embedding as the head, not in panels after all: back to rows (a copy, at load)
+        return Quantized(*(None if a is None else jax.numpy.swapaxes(a, 0, 1) for a in (parts[0], parts[1], offset)),
+                         fmt, -1)
+    return Quantized(parts[0], parts[1], offset, fmt, axis)
 
 
 def load_stage_params(
@@ -424,21 +458,21 @@ def load_stage_params(
 ) -> dict[str, jax.Array | Panels | Quantized]:
     """The stage's parameters as arrays sharded on ``mesh`` (its "tp" axis). ``panels``: store the dense
     weights in panels (``panels.Panels``); None: where ``use_panels`` says so. With ``cfg.quantization``, the
-    weights ``QUANTIZABLE`` names are kept quantized (``quantized.Quantized``)."""
+    weights ``QUANTIZABLE`` names are kept quantized (``quantized.Quantized``), in panels wherever ``use_panels``
+    says (``panels.QuantizedPanels``, for the CPU quantized kernel: XLA's alternative writes each layer's float
+    weight out at every step), a tied embedding then as the LM head's panels."""
     tp = mesh.shape["tp"]
     specs, rules = param_specs(cfg, stage, tp), stage_rules(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
-    panels = use_panels(mesh, cfg) if panels is None else panels
+    quantized_panels = use_panels(mesh, cfg)
+    panels = quantized_panels if panels is None else panels
     params = {}
     with open_checkpoint(path) as ckpt:
         for name, reads in _host_params(ckpt, cfg, stage, tp):
             spec = specs[name]
             sharding = logical_sharding(mesh, spec.logical_axes, rules)
             if (fmt := _format(ckpt, name, reads, cfg.quantization)) is not None:
-                targets, axis = _quantized_targets(name, spec, fmt, sharding, mesh, rules)
-                block = fmt.block_of(spec.shape[axis])
-                parts = _place(name, (p for read in reads for p in _chunks(ckpt, read, fmt, block)), targets)
-                params[name] = Quantized(parts[0], parts[1], parts[2] if fmt.offset else None, fmt, axis)
+                params[name] = _load_quantized(ckpt, name, reads, spec, fmt, mesh, rules, cfg, quantized_panels)
                 continue
             layout = _panels_for(name, spec, sharding, mesh, rules) if panels else None
             pieces = (p for read in reads for p in _chunks(ckpt, read))

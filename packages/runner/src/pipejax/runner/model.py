@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.moe import moe_mlp, moe_param_shapes, moe_rules
-from pipejax.runner.panels import PANEL, Panels, dense, outputs_first, panel_shape
+from pipejax.runner.panels import PANEL, Panels, QuantizedPanels, dense, outputs_first, panel_shape
 from pipejax.runner.quantized import Quantized, dequantize
 from pipejax.runner.rope import RopeTables, apply_rope, rope_inv_freq, rope_tables
 from pipejax.runner.step_inputs import StepInputs, StepShape
@@ -174,6 +174,7 @@ class Kernels(NamedTuple):
     backend's come from ``pipejax.runner.cpu.select``; every other backend runs this file as it reads."""
 
     dense: Callable | None = None  # a matmul over weights in panels (see ``dense``)
+    quantized_dense: Callable | None = None  # a matmul over weights kept quantized in panels (``QuantizedPanels``)
     decode_attention: Callable | None = None  # replaces ``decode_attention`` (see ``paged_attention``)
     prefill_attention: Callable | None = None  # replaces ``prefill_attention`` (see ``paged_attention``)
 
@@ -181,14 +182,22 @@ class Kernels(NamedTuple):
 NO_KERNELS = Kernels()
 
 
-def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, dense_kernel: Callable | None = None) -> jax.Array:
+def project(x: jax.Array, w, contracted: int, kernels: Kernels, **how) -> jax.Array:
+    """``panels.dense`` with the backend's kernel for the way ``w`` is stored (``how``: gated, residual)."""
+    return dense(x, w, contracted, kernels.quantized_dense if isinstance(w, QuantizedPanels) else kernels.dense, **how)
+
+
+def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, kernels: Kernels = NO_KERNELS) -> jax.Array:
     """residual + the MLP of x (both [T, E])."""
-    act = dense(x, p["gate_up"], 1, dense_kernel, gated=True)  # swiglu(gate, up) [T, F]
-    return dense(act, p["down"], 1, dense_kernel, residual=residual)
+    act = project(x, p["gate_up"], 1, kernels, gated=True)  # swiglu(gate, up) [T, F]
+    return project(act, p["down"], 1, kernels, residual=residual)
 
 
-def embed(table: jax.Array | Quantized, token_ids: jax.Array, dtype) -> jax.Array:
-    """The embedding rows of ``token_ids`` [T] -> [T, E] (of a table kept quantized: those rows dequantized)."""
+def embed(table: jax.Array | Quantized | QuantizedPanels, token_ids: jax.Array, dtype) -> jax.Array:
+    """The embedding rows of ``token_ids`` [T] -> [T, E] (of a table kept quantized: those rows dequantized; kept as
+    the tied LM head's panels [E, V]: those columns)."""
+    if isinstance(table, QuantizedPanels):
+        return table.columns(token_ids, dtype)
     if isinstance(table, Quantized):
         return dequantize(table.rows(token_ids), dtype)
     return table[token_ids].astype(dtype)
@@ -336,7 +345,7 @@ def attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention of x [T, E] before its output projection ([T, H, D]), and the caches with the step's K/V."""
     cfg, inp = ctx.cfg, ctx.inp
-    qkv = dense(x, p["qkv"], 1, ctx.kernels.dense)  # [T, K, G + 2, D]
+    qkv = project(x, p["qkv"], 1, ctx.kernels)  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
     k, v = qkv[:, :, G], qkv[:, :, G + 1]  # [T, K, D]
@@ -353,13 +362,13 @@ def attention(
 
 
 def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
-    eps, kernel = ctx.cfg.rms_norm_eps, ctx.kernels.dense
+    eps = ctx.cfg.rms_norm_eps
     out, k_cache, v_cache = attention(rms_norm(x, p["input_norm"], eps), p, k_cache, v_cache, layer, ctx)
     # x + o(out): (h, d) contracted in the weight's memory order (jnp.einsum orders them (d, h), and XLA then
     # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
-    x = dense(out, p["o"], 2, kernel, residual=x)
+    x = project(out, p["o"], 2, ctx.kernels, residual=x)
     normed = rms_norm(x, p["post_norm"], eps)
-    x = moe_mlp(normed, p, ctx.cfg.moe, x) if "router" in p else mlp(normed, p, x, kernel)
+    x = moe_mlp(normed, p, ctx.cfg.moe, x) if "router" in p else mlp(normed, p, x, ctx.kernels)
     return x, k_cache, v_cache
 
 
@@ -370,6 +379,8 @@ def _rows(w: jax.Array | Panels | Quantized) -> list:
     """A stacked weight's layers (panels: the whole stack and a layer index, as the dense kernel reads them)."""
     if isinstance(w, Panels):
         return [Panels(w.data, i) for i in range(w.data.shape[0])]
+    if isinstance(w, QuantizedPanels):
+        return [w.at(i) for i in range(w.q.shape[0])]
     if isinstance(w, Quantized):
         return [jax.tree.map(lambda a, i=i: a[i], w) for i in range(w.q.shape[0])]
     return list(w)
@@ -415,11 +426,16 @@ def stage_forward(
         scanned = stacked_layers(params)
         # The dense kernel reads its layer's panels out of the whole stack: the scan would slice them into copies.
         whole = {n: w for n, w in scanned.items() if isinstance(w, Panels)} if kernels.dense is not None else {}
+        if kernels.quantized_dense is not None:
+            whole |= {n: w for n, w in scanned.items() if isinstance(w, QuantizedPanels)}
         scanned = {n: w for n, w in scanned.items() if n not in whole}
+
+        def at(w, idx):
+            return Panels(w.data, idx) if isinstance(w, Panels) else w.at(idx)
 
         def step(c, xs):
             p, idx = xs
-            return layer(c, {**p, **{n: Panels(w.data, idx) for n, w in whole.items()}}, idx), None
+            return layer(c, {**p, **{n: at(w, idx) for n, w in whole.items()}}, idx), None
 
         carry, _ = jax.lax.scan(step, carry, (scanned, jnp.arange(num_layers)))
     x, k_all, v_all = carry
@@ -436,9 +452,10 @@ def lm_head(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, kernel
     where tied)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
-        table = params["embed"]
-        head = (dequantize(table, x.dtype) if isinstance(table, Quantized) else table).T  # [E, V]
+        table = params["embed"]  # [V, E], or kept quantized as the head's panels [E, V] already
+        head = table if isinstance(table, QuantizedPanels) else (
+            dequantize(table, x.dtype) if isinstance(table, Quantized) else table).T  # [E, V]
     else:
         head = params["lm_head"]
-    return dense(x, head, 1, kernels.dense).astype(jnp.float32)
+    return project(x, head, 1, kernels).astype(jnp.float32)
 

@@ -9,11 +9,13 @@ XLA's dot reads a row-major weight, and at a prefill's many rows a little faster
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
 
-from pipejax.runner.quantized import Quantized, dequantize
+from pipejax.runner.quantized import Format, Quantized, dequantize
 
 PANEL = 32
 # The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
@@ -54,6 +56,37 @@ class Panels:
         return cls(*children)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedPanels:
+    """A dense weight kept quantized (``quantized.Quantized``) with each of its parts in panels, as ``Panels`` holds
+    a float weight: ``q`` [*lead, *out[:-1], out[-1] / PANEL, *in', PANEL] (in': the contracted dims, the last one
+    packed for 4-bit formats), ``scale`` and ``offset`` likewise with a block count for that dim. ``layer``: as
+    ``Panels.layer``. What the CPU quantized kernel reads (``cpu.quantized_dense``)."""
+
+    q: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    fmt: Format = dataclasses.field(metadata={"static": True})
+    layer: jax.Array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.q, self.scale, self.offset) if a is not None)
+
+    def at(self, layer) -> QuantizedPanels:
+        """The whole stack, read at ``layer`` (see ``Panels.layer``)."""
+        return dataclasses.replace(self, layer=layer)
+
+    def columns(self, index: jax.Array, dtype) -> jax.Array:
+        """Output columns ``index`` [T] of a weight [K, N] (no lead dims) dequantized as rows [T, K]: the tied
+        embedding's lookup, when the embedding is kept as the LM head's panels."""
+        panel, column = index // PANEL, index % PANEL
+        offset = None if self.offset is None else self.offset[panel, :, column]
+        return dequantize(Quantized(self.q[panel, :, column], self.scale[panel, :, column], offset, self.fmt, -1),
+                          dtype)
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """The gated MLP's activation: silu(gate) * up."""
     return jax.nn.silu(gate) * up
@@ -65,9 +98,12 @@ def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable
     with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``model.Kernels.dense``), used for weights
     in panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result swiglu(gate, up) [T, *rest].
     ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place). A weight kept quantized
-    (``quantized.Quantized``) is dequantized into the dot."""
+    (``quantized.Quantized``) is dequantized into the dot; in panels (``QuantizedPanels``) ``kernel`` is the
+    quantized one (``model.Kernels.quantized_dense``)."""
     if isinstance(w, Quantized):
         w = dequantize(w, x.dtype)
+    if isinstance(w, QuantizedPanels):
+        return _quantized_panels(x, w, contracted, kernel, gated, residual)
     if not isinstance(w, Panels):
         y = jax.lax.dot_general(x, w, ((tuple(range(1, contracted + 1)), tuple(range(contracted))), ((), ())))
         y = swiglu(y[:, 0], y[:, 1]) if gated else y
@@ -86,5 +122,26 @@ def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable
     ins = tuple(range(len(outs), len(outs) + contracted))
     y = jax.lax.dot_general(x, data, ((tuple(range(1, contracted + 1)), ins), ((), ())))  # [T, *outs, PANEL]
     y = y.reshape(out_shape)
+    y = swiglu(y[:, 0], y[:, 1]) if gated else y
+    return y if residual is None else residual + y
+
+
+def _quantized_panels(x: jax.Array, w: QuantizedPanels, contracted: int, kernel: Callable | None, gated: bool,
+                      residual: jax.Array | None) -> jax.Array:
+    """``dense`` over a weight kept quantized in panels: the kernel over layer ``w.layer`` of the [L, P, K', PANEL]
+    stack, or (no kernel) that layer dequantized and XLA's dot."""
+    lead = int(w.layer is not None)
+    outs = w.q.shape[lead:w.q.ndim - contracted - 1]
+    out_shape = (x.shape[0], *outs[:-1], outs[-1] * PANEL)
+    flat = x.reshape(x.shape[0], -1)  # [T, K]
+    layers, layer = (w.q.shape[0], w.layer) if lead else (1, 0)
+    panels = math.prod(outs)
+    q, scale, offset = (None if a is None else a.reshape(layers, panels, -1, PANEL) for a in (w.q, w.scale, w.offset))
+    flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
+    if kernel is not None:
+        y = kernel(flat, q, scale, offset, w.fmt, layer, gated, flat_residual)
+        return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
+    weight = Quantized(q[layer], scale[layer], None if offset is None else offset[layer], w.fmt, -2)
+    y = jax.numpy.einsum("mk,pkc->mpc", flat, dequantize(weight, x.dtype)).reshape(out_shape)
     y = swiglu(y[:, 0], y[:, 1]) if gated else y
     return y if residual is None else residual + y

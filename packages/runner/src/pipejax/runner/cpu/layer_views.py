@@ -10,13 +10,15 @@ multiples of its layer size. Nothing is duplicated; the stacked arrays stay for 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.model import LAYER_PREFIX, per_layer_weights, stacked_layers
-from pipejax.runner.panels import Panels
+from pipejax.runner.panels import Panels, QuantizedPanels
 from pipejax.runner.quantized import Quantized
 
 # A layer slice this small may be copied (a norm or bias vector whose layer size is not a multiple of the 64
@@ -44,9 +46,9 @@ def _layers_of(w: jax.Array) -> list[jax.Array]:
 def _layers(w: jax.Array | Panels | Quantized) -> list:
     if isinstance(w, Panels):
         return [Panels(v) for v in _layers_of(w.data)]
-    if isinstance(w, Quantized):  # each of its parts by layers
+    if isinstance(w, (Quantized, QuantizedPanels)):  # each of its parts by layers
         parts = [None if a is None else _layers_of(a) for a in (w.q, w.scale, w.offset)]
-        return [Quantized(q, s, None if parts[2] is None else parts[2][i], w.fmt, w.axis)
+        return [dataclasses.replace(w, q=q, scale=s, offset=None if parts[2] is None else parts[2][i])
                 for i, (q, s) in enumerate(zip(parts[0], parts[1], strict=True))]
     return _layers_of(w)
 
