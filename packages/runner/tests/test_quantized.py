@@ -122,7 +122,8 @@ def tiny(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("quantization,pp,tp", [("int8", 2, 2), ("int4", 1, 2), ("int4", 3, 1)])
+# tp = 1: in panels, for the CPU quantized kernel; tp > 1: XLA's sharded dots over the dequantized weights
+@pytest.mark.parametrize("quantization,pp,tp", [("int8", 2, 2), ("int8", 1, 1), ("int4", 1, 2), ("int4", 3, 1)])
 def test_quantized_at_load_matches_fake_quantized_transformers(tiny, quantization, pp, tp):
     import transformers
 
@@ -162,3 +163,11 @@ def test_blocks_that_do_not_fit_are_named(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor_parallel_size=2 splits layers.down.*use a tp that divides 3"):
         load_stage_params(split, ModelConfig.from_pretrained(split, quantization="int4"), StageConfig(),
                           stage_mesh(jax.devices()[:2]))
+
+
+def test_quantization_is_the_jax_models_only(tiny):
+    from pipejax.runner.config import ModelSource
+
+    with pytest.raises(ValueError, match="model_impl='jax'"):
+        ModelSource(str(tiny), quantization="int8", impl="torchax").model_config()
+    assert ModelSource(str(tiny), quantization="int8").model_config().quantization == "int8"

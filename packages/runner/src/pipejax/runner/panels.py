@@ -139,7 +139,9 @@ def _quantized_panels(x: jax.Array, w: QuantizedPanels, contracted: int, kernel:
     q, scale, offset = (None if a is None else a.reshape(layers, panels, -1, PANEL) for a in (w.q, w.scale, w.offset))
     flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
     if kernel is not None:
-        y = kernel(flat, q, scale, offset, w.fmt, layer, gated, flat_residual)
+        # int8's scale per output channel is one per head of the attention output's (H, D): blocks of D
+        fmt = dataclasses.replace(w.fmt, block=flat.shape[1] // scale.shape[2])
+        y = kernel(flat, q, scale, offset, fmt, layer, gated, flat_residual)
         return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
     weight = Quantized(q[layer], scale[layer], None if offset is None else offset[layer], w.fmt, -2)
     y = jax.numpy.einsum("mk,pkc->mpc", flat, dequantize(weight, x.dtype)).reshape(out_shape)

@@ -106,10 +106,12 @@ class Selection:
 
     def kernels(self, mesh) -> Kernels:
         """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
-        from pipejax.runner.cpu import decode_attention, dense, prefill_attention
+        from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
         return Kernels(
             dense=dense.for_mesh(mesh) if self.dense_matmuls == "cpu-kernel" else None,
+            # weights kept quantized are in panels on one CPU device whatever the float choice (``use_panels``)
+            quantized_dense=quantized_dense.matmul if mesh.devices.size == 1 else None,
             decode_attention=decode_attention.for_mesh(mesh) if self.decode_attention == "cpu-kernel" else None,
             prefill_attention=prefill_attention.for_mesh(mesh) if self.prefill_attention == "cpu-kernel" else None,
         )
