@@ -6,9 +6,9 @@ loader quantizes the weights as it loads them (``pipejax.runner.quantized``). Re
 
 from __future__ import annotations
 
-import torch
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # vLLM's dtypes by name: this layer imports no torch
 
 
 class _PipejaxQuantization(QuantizationConfig):
@@ -17,8 +17,8 @@ class _PipejaxQuantization(QuantizationConfig):
     def get_name(self) -> str:
         return self.method
 
-    def get_supported_act_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16]
+    def get_supported_act_dtypes(self) -> list:
+        return [STR_DTYPE_TO_TORCH_DTYPE["float32"], STR_DTYPE_TO_TORCH_DTYPE["bfloat16"]]
 
     @classmethod
     def get_min_capability(cls) -> int:
