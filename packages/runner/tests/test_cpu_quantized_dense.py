@@ -79,9 +79,10 @@ def test_kernel_is_built():
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("k,n", [(64, 64), (64, 192), (576, 64), (576, 192)])
 def test_kernel_matches_numpy(fmt, k, n):
-    """Rows 1, 3, 8, 13 (the register tiles: 8, 4, 2, 1 rows; 13 = 8 + 4 + 1) and 21, 64 (from
-    ``DEQUANTIZED_ROWS`` on: chunks dequantized for the float32 tiles); one panel's columns or several; one block
-    or 18 along K (INT8: one scale over all of K). The XLA formulation (``reference``) too."""
+    """Rows 1, 3, 8, 13 (the register tiles of 8, 4, 2, 1 rows; 13 = 8 + 4 + 1), 21 (8-bit: 8 + 8 + 4 + 1) and
+    64 (chunks dequantized for the float32 tiles: with AVX-512 from 32 rows on for 8-bit formats, 16 for 4-bit; the
+    4-bit formats' 21 rows too); one panel's columns or several; one block or 18 along K (INT8: one scale over all
+    of K). The XLA formulation (``reference``) too."""
     rng = np.random.default_rng(k + n + fmt.bits)
     w = _weight(fmt, k, n, rng)
     q, scale, offset = _stacked(w)
@@ -150,6 +151,21 @@ def test_residual_added_in_place(fmt, m):
     _check(got - np.asarray(residual), x, w)
     reference = _jitted(qd.reference)(x, q, scale, offset, fmt=fmt, residual=residual)
     _check(np.asarray(reference) - np.asarray(residual), x, w, "reference")
+
+
+@pytest.mark.parametrize("k,block", [(40, 0), (192, 64), (192, 48)])
+def test_int8_blocks_of_any_size(k, block):
+    """INT8 scales in blocks of any divisor of K (the runner's per-head scales of the attention output: blocks of
+    D): a block of whole 32s runs the kernel (64: two 32 k passes a block), another (K = 40 with one block, 48)
+    ``reference``."""
+    import dataclasses
+
+    fmt = dataclasses.replace(quantized.INT8, block=block)
+    rng = np.random.default_rng(k + block)
+    w = _weight(fmt, k, 64, rng)
+    for m in (3, 64):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        _check(_jitted(qd.matmul)(x, *_stacked(w), fmt=fmt), x, w, f"rows {m}")
 
 
 def test_to_panels_is_the_loaders_layout():

@@ -30,7 +30,7 @@ from pipejax.runner.panels import PANEL, swiglu
 
 KERNEL = "pipejax.runner.cpu.quantized_dense_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_quantized_panel_matmul"
-BLOCK = 32  # K must be a multiple of it (whole blocks of 32 k's: GGUF's blocks, and the kernel's unrolled pass)
+BLOCK = 32  # the kernel's K is a multiple of it (whole blocks of 32 k's: GGUF's blocks, the kernel's pass)
 
 # The code the kernel runs for a format (its int32 kind operand): INT8 and Q8_0 differ only in their scale blocks.
 KIND_8BIT, KIND_Q4_0, KIND_Q4_1 = 0, 1, 2
@@ -86,13 +86,15 @@ def matmul(x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | Non
     """x [M, K] @ layer ``layer`` of a quantized weight in panels (see the module's docstring) -> [M, N] float32;
     the whole stack goes in with a scalar ``layer``, as ``dense.matmul``'s. ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, N / 2]. ``residual`` [M, N]: the
-    result is residual + x @ w, the kernel adding each finished output tile to the residual in place."""
+    result is residual + x @ w, the kernel adding each finished output tile to the residual in place. ``fmt``'s
+    block may be any divisor of K (int8's scales per head of the attention output: blocks of D); one that is not a
+    multiple of 32 (the kernel's pass), x not float32, or no numba: ``reference`` instead."""
     k, n = _check(x, q, scale, offset, fmt)
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
     if gated and n % (2 * PANEL):
         raise ValueError(f"a gated matmul's N ({n}) is two halves of whole panels")
-    if k % BLOCK or _handler() is None or x.dtype != jnp.float32:
+    if (k // scale.shape[2]) % BLOCK or _handler() is None or x.dtype != jnp.float32:
         return reference(x, q, scale, offset, fmt, layer, gated, residual)
     operands = (x, q, scale, scale if offset is None else offset, jnp.asarray(layer, jnp.int32))
     kind = jnp.int32(KINDS[fmt.name])

@@ -8,13 +8,21 @@ nibbles, GGUF's order in blocks of 32 k's) and the scales [N / 32, K / B, 32] (`
 of B k's (32; K for INT8). Each panel streams from memory once, in order, as its integers: a quarter of the
 float32 weight's bytes (8-bit) or about a sixth (4-bit), which is what a decode step's few rows wait for.
 
-The microkernel (LLVM IR, as ``dense_kernel``'s) converts one row of 32 integers to floats in registers (sign- or
-zero-extend, nibbles masked and shifted out of their bytes first) and adds x[r, k] times it into block
-accumulators for a tile of rows; after each block of 32 k's, ``out = fma(block sum, scale, out)`` per column (Q4_1
-adds ``offset * sum_k x[r, k]``; Q4_0's ``- 8`` starts its block sums at ``-8 * sum_k x[r, k]`` instead of costing
-an instruction per element). The running output tile is kept in the destination itself (read and written once a
-block), so that the registers go to the block accumulators: tiles of 8, 4, 2, 1 rows with AVX-512, at least 8
-independent accumulators each (a 1-row tile splits a block's k's over 4 chains); 2 and 1 rows with AVX2.
+Few rows: the microkernel (LLVM IR, as ``dense_kernel``'s) converts one row of 32 integers to floats in registers
+(sign- or zero-extended, nibbles masked and shifted out first) and adds x[r, k] times it into block accumulators
+for a tile of rows; after each block of 32 k's, ``out = fma(block sum, scale, out)`` per column (Q4_1 adds
+``offset * sum_k x[r, k]``; Q4_0's ``- 8`` starts its block sums at ``-8 * sum_k x[r, k]`` instead of costing an
+instruction per element). The running output tile stays in the destination (read and written once a block), so
+that the registers go to the block accumulators (``TILES``). Many rows (``DEQUANTIZED_ROWS_*``): converting a
+panel for every tile of rows would cost each tile its conversions again, so CHUNK k's of the panel at a time are
+dequantized into an L1 buffer once and multiplied by every row there by the float32 kernel's tiles.
+
+Measured on a 2-core AVX-512 EPYC (Zen 4), one thread, SmolLM2-135M's gate_up 576 -> 2 x 1536 and down 1536 -> 576
+with 30 layers cycling (the weights come from memory), the kernels called directly: at one row the float32 kernel
+streams 26-34 GB/s and this one converts a k of a panel in 1.3-1.8 ns, 2.1-2.6x (8-bit) and 2.2-2.9x (4-bit)
+faster; at 64 rows it takes 1.07-1.11x the float32 kernel's time (the dequantized chunks' conversions: ~5 cycles
+a k of a panel, against 8 tiles x 16 cycles of FMAs). ``benchmarks/probes/quantized_dense_probe.py`` measures the
+set through XLA.
 """
 
 from __future__ import annotations
@@ -35,13 +43,17 @@ from pipejax.runner.panels import PANEL
 BLOCK = 32  # k's per block accumulator pass (every format's blocks are whole multiples of it)
 LANES = vector_lanes()  # float32 lanes of the target's vector registers
 VECTORS = PANEL // LANES  # registers per row of a tile
-# The microkernels of a kind, tallest first: (rows, chains, step of 8-bit, step of 4-bit, pairs). A tile keeps
-# rows x VECTORS x chains block accumulators in registers (at least 8 where the registers allow, for the FMA latency)
+# The microkernels, tallest first: (rows, (chains, step) of 8-bit, (chains, step) of 4-bit, pairs). A tile keeps
+# rows x VECTORS x chains block accumulators in registers (8 or more where the registers allow, for the FMA latency)
 # besides the converted weights and a broadcast; an iteration of its loop converts ``step`` rows of integers (4-bit
-# ``pairs``: a byte row's two nibbles, k = j and j + 16, at once; else one k an iteration, shifted out by its k: with 8
-# rows or with AVX2's 16 registers both nibbles' weights would not fit besides the accumulators).
-TILES = (((8, 1, 1, 1, False), (4, 1, 1, 1, True), (2, 2, 2, 1, True), (1, 4, 4, 2, True)) if VECTORS <= 2
-         else ((2, 1, 1, 1, False), (1, 2, 2, 2, False)))
+# ``pairs``: a byte row's two nibbles, k = j and j + 16, at once; else one k an iteration, its nibbles shifted out
+# by its k: with 8 rows and pairs LLVM hoists all 16 broadcasts of x and spills). Measured on an AVX-512 EPYC
+# (Zen 4, cycles per k of one panel, its data in L1): 1 row 4.6 (8-bit) and 4.7 (4-bit), the float32 kernel's 4.2
+# (FMA latency); 8 rows 18.7 and 22, float32 16.1; AVX2 code on the same CPU: 1 row 4.0 and 4.9 (4-bit pairs; 6.6
+# one k an iteration), 2 rows 6.5 and 6.2 (9.1).
+TILES = (((8, (1, 1), (1, 1), False), (4, (1, 1), (1, 1), True), (2, (2, 2), (2, 1), True),
+          (1, (4, 4), (4, 2), True)) if VECTORS <= 2
+         else ((2, (1, 1), (1, 1), True), (1, (1, 1), (2, 2), True)))
 
 
 def _microkernel(kind: int, rows: int, chains: int, step: int, pairs: bool):
@@ -182,8 +194,8 @@ def _microkernel(kind: int, rows: int, chains: int, step: int, pairs: bool):
 def _row_tiles(kind: int):
     """``rows_times_panel`` for one kind over its microkernels: the tallest tile while it fits, then each smaller
     one at most once (the heights halve)."""
-    kernels = [_microkernel(kind, rows, chains, step_4 if kind != KIND_8BIT else step_8, pairs)
-               for rows, chains, step_8, step_4, pairs in TILES]
+    kernels = [_microkernel(kind, rows, *(of_4 if kind != KIND_8BIT else of_8), pairs)
+               for rows, of_8, of_4, pairs in TILES]
     heights = [tile[0] for tile in TILES] + [0] * (4 - len(TILES))  # a height 0 is never taken
     kernels += [kernels[-1]] * (4 - len(kernels))
     k_top, k_a, k_b, k_c = kernels
@@ -278,15 +290,22 @@ def _dequantize(kind, q_addr, s_addr, o_addr, chunks, g0, nk, buf_addr):
             _dequantize_q4_1(q_addr + g * BLOCK // 2 * PANEL, s_g, o_g, buf_g)
 
 
-DEQUANTIZED_ROWS = 16  # from this many rows on, each CHUNK k's of a panel are dequantized for the float32 tiles
+# From this many rows on (8-bit, 4-bit), each CHUNK k's of a panel are dequantized once for the float32 tiles
+# (``dense_kernel``'s) instead of converted by every tile of rows: where that measured faster (one thread, SmolLM2's
+# gate_up and down, 30 layers cycling). AVX-512: at 16 rows the 8-bit tiles ran 0.81-0.85x the float32 kernel's
+# speed against the dequantized chunks' 0.73-0.78x, at 32 rows level (0.84-0.86x), at 48 and 64 rows 0.76-0.77x
+# against 0.88-0.90x; 4-bit at 8 rows 0.76-0.91x against 0.73-0.86x, at 16 rows 0.73-0.75x against 0.82-0.87x,
+# at 64 rows 0.66-0.73x against 0.92-0.93x. AVX2 code on the same CPU: 8-bit at 8 rows 0.96x against 0.90x, at
+# 16 rows 0.86x against 0.94x; 4-bit at 4 rows 1.10x against 1.01x, at 8 rows 0.74x against 1.01x.
+DEQUANTIZED_ROWS_8, DEQUANTIZED_ROWS_4 = (32, 16) if VECTORS <= 2 else (16, 8)
 CHUNK = 128  # k's per dequantized chunk: 16 KB of floats, in L1 with a tile's rows of x
 
 
-@numba.njit(inline="always")
+@numba.njit(error_model="numpy")  # a call, not inlined: the panel job calls it thrice, and each has every kind
 def _panel_into(kind, x_addr, kc, q_addr, s_addr, o_addr, xs_addr, panel_q, panel_s, p, dest, ldd, m,
                 blocks, chunks, buf, dequantized):
     """dest [m, 32] (row stride ``ldd``) = x [m, kc] @ panel ``p``: the integers converted in the microkernel's
-    registers, or (``dequantized``: calls of ``DEQUANTIZED_ROWS`` rows or more) each CHUNK k's of the panel
+    registers, or (``dequantized``: calls of ``DEQUANTIZED_ROWS_*`` rows or more) each CHUNK k's of the panel
     dequantized into ``buf`` [CHUNK, 32] once and multiplied by every row there (``dense_kernel``'s float32
     tiles)."""
     q_p, s_p, o_p = q_addr + p * panel_q, s_addr + p * panel_s * 4, o_addr + p * panel_s * 4
@@ -335,7 +354,8 @@ def _panel_job(mode, kind, x_addr, kc, q_addr, s_addr, o_addr, xs_addr, panel_q,
     address of SCRATCH floats."""
     gate_addr, up_addr = scratch, scratch + GLU_ROWS * PANEL * 4
     buf = scratch + 2 * GLU_ROWS * PANEL * 4
-    dequantized = m >= DEQUANTIZED_ROWS  # the call's rows decide, so that its row blocks below round alike
+    # the call's rows decide, so that its row blocks below round alike
+    dequantized = m >= (DEQUANTIZED_ROWS_8 if kind == KIND_8BIT else DEQUANTIZED_ROWS_4)
     if mode != GATED and mode != ADD:
         _panel_into(kind, x_addr, kc, q_addr, s_addr, o_addr, xs_addr, panel_q, panel_s, p,
                     out_addr + p * PANEL * 4, n, m, blocks, chunks, buf, dequantized)
