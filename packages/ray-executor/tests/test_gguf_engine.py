@@ -60,31 +60,18 @@ def test_default_model_in_process_pp2_tp3(expected):
         llm.shutdown()
 
 
-def test_default_model_on_ray_pp3(expected):
-    """Three stage actors on one host (the layout whose KV sizing took the host's RAM three times), KV
-    sized from memory: each stage takes a third of the host's share."""
-    cluster = start_cluster([3])
+@pytest.mark.parametrize("pp,quantization", [(3, None), (2, "gguf")], ids=["pp3", "pp2-kept-quantized"])
+def test_default_model_on_ray(expected, pp, quantization):
+    """pp=3: three stage actors on one host (the layout whose KV sizing took the host's RAM three times), KV sized
+    from memory: each stage takes a third of the host's share. pp=2 with ``quantization="gguf"``: the stages keep
+    the file's Q4_1/Q8_0 blocks (read by the CPU quantized kernel); the same greedy tokens as transformers on the
+    dequantized file."""
+    cluster = start_cluster([pp])
     try:
-        llm = LLM(None, pipeline_parallel_size=3, distributed_executor_backend="ray",
+        llm = LLM(None, pipeline_parallel_size=pp, distributed_executor_backend="ray", quantization=quantization,
                   max_model_len=256, max_num_seqs=4, warmup=False)
         try:
-            ours, theirs = _greedy(llm, expected)
-            assert ours == theirs
-        finally:
-            llm.shutdown()
-    finally:
-        stop_cluster(cluster)
-
-
-def test_default_model_kept_quantized_on_ray_pp2(expected):
-    """``quantization="gguf"``: the stages keep the file's Q4_1/Q8_0 blocks (dequantized inside each step); the
-    same greedy tokens as transformers on the dequantized file."""
-    cluster = start_cluster([2])
-    try:
-        llm = LLM(None, pipeline_parallel_size=2, distributed_executor_backend="ray", quantization="gguf",
-                  max_model_len=256, max_num_seqs=4, warmup=False)
-        try:
-            assert llm.engine.model_config.quantization == "gguf"
+            assert llm.engine.model_config.quantization == quantization
             ours, theirs = _greedy(llm, expected)
             assert ours == theirs
         finally:

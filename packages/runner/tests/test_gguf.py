@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
-from gguf_helpers import gguf_name, hf_model_from_gguf, set_tensor_type, smollm2_gguf, write_gguf
+from gguf_helpers import gguf_name, hf_model_from_gguf, set_tensor_type, write_gguf
 from hf_oracle import ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
 
 from pipejax.pp_utils import InProcessTransport, stage_mesh
@@ -30,16 +30,6 @@ TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
 # and both tp (3 divides SmolLM2's 9 heads, 3 KV heads and 49152-token vocabulary), each pp once rather than all
 # 8 pairs: test_model_vs_hf checks the layouts themselves; this checks SmolLM2's file under each pp and tp.
 LAYOUTS = [(1, 1), (2, 3), (3, 1), (4, 3)]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2):
-    return hf_model_from_gguf(smollm2)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from gguf_helpers import hf_model_from_gguf, smollm2_gguf
 from hf_oracle import ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
 from pipejax_test_support import fake_quantize_
 
@@ -63,16 +62,6 @@ def test_int4_is_llama_cpps_q4_0():
 
 
 # --- SmolLM2-135M's Q4_1 file kept quantized, against transformers dequantizing the same file -----------------
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2):
-    return hf_model_from_gguf(smollm2)
 
 
 @pytest.fixture(scope="module")
