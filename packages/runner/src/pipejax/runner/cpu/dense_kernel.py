@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu.dense import ADD, GATED
-from pipejax.runner.cpu.ffi import arguments, buffer, handler_compiler, ptr, scalar_i32, serve
+from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.isa import vector_lanes
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
@@ -191,14 +191,6 @@ def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
         _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
 
 
-@intrinsic
-def _addr(typingctx, p):
-    def codegen(context, builder, signature, args):
-        return builder.ptrtoint(args[0], ir.IntType(64))
-
-    return types.int64(types.voidptr), codegen
-
-
 @numba.njit(inline="always")
 def _operands(frame):
     """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``); x's address, layer ``layer``'s panels'
@@ -207,8 +199,8 @@ def _operands(frame):
     args, rets = arguments(frame, 4)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
-    w_addr = _addr(w_data) + scalar_i32(args, 2) * w_dims[1] * w_dims[2] * PANEL * 4
-    return scalar_i32(args, 3), _addr(x_data), w_addr, _addr(buffer(rets, 0)[0]), x_dims[0], x_dims[1], w_dims[1]
+    w_addr = address(w_data) + scalar_i32(args, 2) * w_dims[1] * w_dims[2] * PANEL * 4
+    return scalar_i32(args, 3), address(x_data), w_addr, address(buffer(rets, 0)[0]), x_dims[0], x_dims[1], w_dims[1]
 
 
 @numba.njit(inline="always")

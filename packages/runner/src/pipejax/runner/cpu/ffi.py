@@ -10,6 +10,7 @@ import ctypes
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
@@ -28,6 +29,16 @@ def ptr(typingctx, addr):
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
     return types.voidptr(types.int64), codegen
+
+
+@intrinsic
+def address(typingctx, p):
+    """A pointer's address as an int64 (``ptr``'s inverse)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+
+    return types.int64(types.voidptr), codegen
 
 
 @numba.njit(inline="always")

@@ -34,7 +34,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu.dense_kernel import rows_plus_panel, rows_times_panel
-from pipejax.runner.cpu.ffi import arguments, buffer, handler_compiler, ptr, scalar_i32, serve
+from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.isa import vector_lanes
 from pipejax.runner.cpu.quantized_dense import ADD, GATED, KIND_8BIT, KIND_Q4_0, KIND_Q4_1
 from pipejax.runner.cpu.vector_exp import exp_f32
@@ -420,14 +420,6 @@ def _dense_parallel(mode, kind, x_addr, q_addr, s_addr, o_addr, out_addr, m, kc,
                    m, jobs * PANEL, blocks, chunks, _stack_scratch())
 
 
-@intrinsic
-def _addr(typingctx, p):
-    def codegen(context, builder, signature, args):
-        return builder.ptrtoint(args[0], ir.IntType(64))
-
-    return types.int64(types.voidptr), codegen
-
-
 @numba.njit(inline="always")
 def _operands(frame):
     """The call's mode (``quantized_dense.PLAIN``, ``GATED`` or ``ADD``) and kind (``KIND_8BIT``, ``KIND_Q4_0``,
@@ -442,10 +434,10 @@ def _operands(frame):
     o_data, _ = buffer(args, 3)
     layer, mode, kind = scalar_i32(args, 4), scalar_i32(args, 5), scalar_i32(args, 6)
     panels, panel_q, blocks = q_dims[1], q_dims[2] * PANEL, s_dims[2]
-    q_addr = _addr(q_data) + layer * panels * panel_q
-    s_addr = _addr(s_data) + layer * panels * blocks * PANEL * 4
-    o_addr = _addr(o_data) + layer * panels * blocks * PANEL * 4 if kind == KIND_Q4_1 else _addr(o_data)
-    return (mode, kind, _addr(x_data), q_addr, s_addr, o_addr, _addr(buffer(rets, 0)[0]), x_dims[0], x_dims[1],
+    q_addr = address(q_data) + layer * panels * panel_q
+    s_addr = address(s_data) + layer * panels * blocks * PANEL * 4
+    o_addr = address(o_data) + layer * panels * blocks * PANEL * 4 if kind == KIND_Q4_1 else address(o_data)
+    return (mode, kind, address(x_data), q_addr, s_addr, o_addr, address(buffer(rets, 0)[0]), x_dims[0], x_dims[1],
             panels, panel_q, blocks)
 
 
