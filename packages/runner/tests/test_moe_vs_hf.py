@@ -16,6 +16,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from pipejax.pp_utils import logical_sharding, stage_mesh
 from pipejax.runner.config import MoeConfig
 from pipejax.runner.moe import moe_mlp, moe_param_shapes, moe_rules
+from pipejax.runner.panels import Panels
 
 E, FM, X, K = 32, 16, 8, 2
 BLOCKS = {
@@ -85,16 +86,19 @@ def test_expert_parallelism_needs_whole_experts_per_device():
 
 
 # --- whole models: transformers' tiny MoE checkpoints (per-expert tensors on disk), served by the stage model ----
+# (Qwen's experts and shared expert whole panels of 32 columns: on one CPU device they are stored in panels for the
+# routed-experts kernel; Mixtral's 48 are not, and keep their own layout there)
 MODELS = {  # arch -> what its tiny config adds to TINY (4 layers, 8 experts, top 2)
-    "Qwen3MoeForCausalLM": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    "Qwen3MoeForCausalLM": dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                 head_dim=24),
     "MixtralForCausalLM": dict(intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
-    "Qwen2MoeForCausalLM": dict(moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                                shared_expert_intermediate_size=40),
+    "Qwen2MoeForCausalLM": dict(moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                shared_expert_intermediate_size=32),
 }
 # Qwen2-MoE whose layers mix dense MLPs (layers 0 and 2: decoder_sparse_step=2) and MoE ones (1 and 3)
 MIXED = "Qwen2MoeForCausalLM-mixed"
 MODELS[MIXED] = {**MODELS["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2, "intermediate_size": 56}
+WIDTH = {arch: c.get("moe_intermediate_size", c.get("intermediate_size")) for arch, c in MODELS.items()}
 MOE_PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 45))]
 
 
@@ -149,19 +153,24 @@ def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp, split, ep)
     stages = ChainedStages(path, pp, tp, split, num_blocks=80, expert_parallel=ep)
     expert_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
     moe_layers = sum(stage.params["layers.router"].shape[0] for stage in stages.stages)
+    fm = WIDTH[arch]
     for stage in stages.stages:
         held = {}  # each device holds its stage's share of the experts, 1 / tp of it (whole experts with EP)
         for name in ("layers.experts_gate_up", "layers.experts_down"):
-            for shard in stage.params[name].addressable_shards:
+            for shard in getattr(stage.params[name], "data", stage.params[name]).addressable_shards:
                 held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
         share = stage.params["layers.router"].shape[0] / moe_layers / tp
         assert set(held.values()) == {expert_bytes * share}, (held, expert_bytes, share)
-        experts = stage.params["layers.experts_down"]  # [MoE layers, X, Fm, E]
-        assert {s.data.shape[1:] for s in experts.addressable_shards} == {
-            (8 // tp, 48, 64) if ep else (8, 48 // tp, 64)}
+        experts = stage.params["layers.experts_down"]  # [MoE layers, X, Fm, E]; in panels [.., X, E / 32, Fm, 32]
+        if isinstance(experts, Panels):
+            assert tp == 1 and experts.data.shape[1:] == (8, 2, fm, 32)
+        else:
+            assert {s.data.shape[1:] for s in experts.addressable_shards} == {
+                (8 // tp, fm, 64) if ep else (8, fm // tp, 64)}
         if arch == MIXED:  # each kind's MLP weights stacked over its own layers
             layers = stage.stage.layer_range(stage.cfg)
-            assert experts.shape[0] == len([i for i in layers if i % 2]), (layers, experts.shape)
+            stacked = getattr(experts, "data", experts).shape
+            assert stacked[0] == len([i for i in layers if i % 2]), (layers, stacked)
             down = stage.params.get("layers.down")  # in panels on one CPU device
             dense = len([i for i in layers if not i % 2])
             assert (down is None) if not dense else getattr(down, "data", down).shape[0] == dense
@@ -170,6 +179,36 @@ def test_moe_models_match_transformers(moe_checkpoints, arch, pp, tp, split, ep)
         assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
     stages = ChainedStages(path, pp, tp, split, num_blocks=80, expert_parallel=ep)  # a fresh KV cache
     assert greedy_generate(stages, MOE_PROMPTS, 12, chunk=4) == hf_greedy(model, MOE_PROMPTS, 12)
+
+
+# (arch, pp, decode layers): the dense kernel forced on one CPU device per stage
+ROUTED_CASES = [("Qwen3MoeForCausalLM", 2, "unrolled"), (MIXED, 1, "scan")]
+
+
+@pytest.mark.parametrize("arch,pp,layers", ROUTED_CASES, ids=[f"{a}-pp{p}-{d}" for a, p, d in ROUTED_CASES])
+def test_routed_experts_kernel_matches_transformers(moe_checkpoints, arch, pp, layers):
+    """With the CPU dense kernel, each expert's gate/up and down are stored in panels and the routed-experts kernel
+    computes only the rows routed to each expert (a shared expert's MLP on the dense kernel): logits within 1e-4
+    relative, and greedy decode token-identical, through decode layers unrolled and scanned, and a stage that mixes
+    dense and MoE layers."""
+    from hf_oracle import ChainedStages, greedy_generate, prefill_batch
+    from pipejax_test_support import hf_greedy, hf_logits
+
+    path, model = moe_checkpoints(arch)
+
+    def chained():
+        return ChainedStages(path, pp, 1, num_blocks=80, dense_matmuls="cpu-kernel", decode_layers=layers)
+
+    stages = chained()
+    for stage in stages.stages:
+        assert stage.selection.kernels(stage.mesh).routed_experts is not None
+        for name in ("layers.experts_gate_up", "layers.experts_down") + (
+                ("layers.shared_gate_up", "layers.shared_down") if "Qwen2" in arch else ()):
+            assert isinstance(stage.params[name], Panels), name
+    got = stages.logits(prefill_batch(MOE_PROMPTS))
+    for want, have in zip(hf_logits(model, MOE_PROMPTS), got, strict=True):
+        assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
+    assert greedy_generate(chained(), MOE_PROMPTS, 12, chunk=4) == hf_greedy(model, MOE_PROMPTS, 12)
 
 
 def test_each_kind_of_mlp_is_stacked_over_its_own_layers(moe_checkpoints):

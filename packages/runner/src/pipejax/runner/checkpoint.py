@@ -35,7 +35,15 @@ from pipejax.runner.model import (
     param_specs,
     stage_rules,
 )
-from pipejax.runner.panels import DENSE_WEIGHTS, PANEL, Panels, QuantizedPanels, panel_shape
+from pipejax.runner.panels import (
+    DENSE_WEIGHTS,
+    EXPERT_WEIGHTS,
+    PANEL,
+    PANEL_LAYOUTS,
+    Panels,
+    QuantizedPanels,
+    panel_shape,
+)
 from pipejax.runner.quantized import ON_THE_FLY, Format, Quantized, quantize_rows
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
@@ -350,9 +358,11 @@ def open_checkpoint(path: str | Path) -> SafetensorsIndex:
 def _panels_for(name: str, spec, sharding, mesh: Mesh, rules) -> tuple[int, int, Any] | None:
     """How ``name`` is stored in panels on ``mesh`` (``_place``'s ``panels``), or None to keep its own layout: a
     dense weight whose last dim, in every shard, is whole panels."""
-    if name not in DENSE_WEIGHTS:
+    if name not in PANEL_LAYOUTS:
         return None
-    lead, contracted = (1 if name.startswith(LAYER_PREFIX) else 0), DENSE_WEIGHTS[name]
+    lead, contracted = PANEL_LAYOUTS[name]
+    if name in EXPERT_WEIGHTS and spec.shape[lead] % PANEL:
+        return None
     packed = panel_spec(spec, lead, contracted)
     boxes = sharding.devices_indices_map(tuple(spec.shape)).values()
     if packed is None or any(_bounds(box, tuple(spec.shape))[-1][0] % PANEL for box in boxes):

@@ -177,6 +177,7 @@ class Kernels(NamedTuple):
     quantized_dense: Callable | None = None  # a matmul over weights kept quantized in panels (``QuantizedPanels``)
     decode_attention: Callable | None = None  # replaces ``decode_attention`` (see ``paged_attention``)
     prefill_attention: Callable | None = None  # replaces ``prefill_attention`` (see ``paged_attention``)
+    routed_experts: Callable | None = None  # a MoE layer's experts over their panels (``moe.routed_in_panels``)
 
 
 NO_KERNELS = Kernels()
@@ -368,7 +369,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
     # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
     x = project(out, p["o"], 2, ctx.kernels, residual=x)
     normed = rms_norm(x, p["post_norm"], eps)
-    x = moe_mlp(normed, p, ctx.cfg.moe, x) if "router" in p else mlp(normed, p, x, ctx.kernels)
+    x = moe_mlp(normed, p, ctx.cfg.moe, x, kernels=ctx.kernels) if "router" in p else mlp(normed, p, x, ctx.kernels)
     return x, k_cache, v_cache
 
 

@@ -16,12 +16,14 @@ Shapes: T tokens, E hidden, X experts, Fm an expert's width, Fs the shared exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
 from pipejax.pp_utils import ShardingRules
 from pipejax.runner.config import MoeConfig, check_expert_parallel
-from pipejax.runner.panels import swiglu
+from pipejax.runner.panels import Panels, dense, own_layout, swiglu
 
 # --- sharding: tensor-parallel experts split each expert's width, expert parallelism whole experts ----------
 TP_EXPERTS = ShardingRules({"expert_mlp": "tp", "mlp": "tp"})
@@ -98,18 +100,45 @@ def gathered_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, top: jax
 GATHER_SHARE = 1 / 4
 
 
+def routed_in_panels(kernel: Callable, x: jax.Array, gate_up: Panels, down: Panels, top: jax.Array,
+                     chosen: jax.Array, residual: jax.Array) -> jax.Array:
+    """residual + the routed experts of x, by ``kernel`` (``Kernels.routed_experts``) reading each chosen expert's
+    panels in place: [X, 2, Fm / PANEL, E, PANEL] and [X, E / PANEL, Fm, PANEL], or every layer's of them with the
+    layer's index (``Panels.layer``)."""
+    stacked = gate_up.layer is not None
+    first = gate_up.layer * gate_up.data.shape[1] if stacked else 0
+    gu = gate_up.data.reshape(-1, gate_up.data.shape[-4] * gate_up.data.shape[-3], *gate_up.data.shape[-2:])
+    return kernel(x, gu, down.data.reshape(-1, *down.data.shape[-3:]), first, chosen, top, residual)
+
+
+def _own_layout(w: jax.Array | Panels, lead: int) -> jax.Array:
+    """An expert weight in its own layout (``lead``: its leading dims, past the layers'): panels no kernel reads
+    are turned back (a copy, every step)."""
+    if not isinstance(w, Panels):
+        return w
+    return own_layout(w.data if w.layer is None else w.data[w.layer], lead, 1)
+
+
 def moe_mlp(x: jax.Array, p: dict[str, jax.Array], moe: MoeConfig, residual: jax.Array,
-            gather: bool | None = None) -> jax.Array:
-    """residual + the MoE MLP of x (both [T, E]); ``p`` holds ``moe_param_shapes``' weights. ``gather``: run
-    ``gathered_experts`` or the dense ``experts``; None: by the step's routes (static: T is the padded step's)."""
+            gather: bool | None = None, kernels=None) -> jax.Array:
+    """residual + the MoE MLP of x (both [T, E]); ``p`` holds ``moe_param_shapes``' weights. ``kernels``: a
+    backend's (``model.Kernels``): with experts in panels, its ``routed_experts`` computes only the routed rows of
+    each expert. Otherwise ``gather``: run ``gathered_experts`` or the dense ``experts``; None: by the step's routes
+    (static: T is the padded step's)."""
+    dense_kernel, routed = (None, None) if kernels is None else (kernels.dense, kernels.routed_experts)
+    if moe.shared_expert_size:  # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
+        act = dense(x, p["shared_gate_up"], 1, dense_kernel, gated=True)
+        shared = jax.nn.sigmoid(jnp.dot(x, p["shared_gate"]))[:, None] * dense(act, p["shared_down"], 1, dense_kernel)
+    gate_up, down = p["experts_gate_up"], p["experts_down"]
+    if isinstance(gate_up, Panels) and routed is not None:
+        top, chosen = top_experts(x, p["router"], moe)
+        return routed_in_panels(routed, x, gate_up, down, top, chosen,
+                                residual + shared if moe.shared_expert_size else residual)
+    gate_up, down = _own_layout(gate_up, 0), _own_layout(down, 1)
     if gather is None:
         gather = x.shape[0] * moe.top_k <= GATHER_SHARE * moe.num_experts
     if gather:
-        y = gathered_experts(x, p["experts_gate_up"], p["experts_down"], *top_experts(x, p["router"], moe))
+        y = gathered_experts(x, gate_up, down, *top_experts(x, p["router"], moe))
     else:
-        y = experts(x, p["experts_gate_up"], p["experts_down"], route(x, p["router"], moe))
-    if moe.shared_expert_size:  # Qwen2-MoE: a dense expert every token takes, behind a sigmoid gate
-        gate_and_up = jnp.einsum("te,ecf->ctf", x, p["shared_gate_up"])
-        shared = jnp.dot(swiglu(gate_and_up[0], gate_and_up[1]), p["shared_down"])
-        y = y + jax.nn.sigmoid(jnp.dot(x, p["shared_gate"]))[:, None] * shared
-    return residual + y
+        y = experts(x, gate_up, down, route(x, p["router"], moe))
+    return residual + (y + shared if moe.shared_expert_size else y)

@@ -20,6 +20,15 @@ from pipejax.runner.quantized import Format, Quantized, dequantize
 PANEL = 32
 # The dense weights: name -> how many of their dimensions (after a layer weight's leading L) are contracted.
 DENSE_WEIGHTS = {"layers.qkv": 1, "layers.o": 2, "layers.gate_up": 1, "layers.down": 1, "lm_head": 1}
+# Every weight that can be stored in panels: name -> (leading dims, contracted dims). A Mixture-of-Experts layer's
+# experts keep each expert's own panels (``moe.moe_mlp`` over ``Kernels.routed_experts``): gate/up [L, E, X, 2, Fm]
+# as [L, X, 2, Fm / PANEL, E, PANEL], down [L, X, Fm, E] as [L, X, E / PANEL, Fm, PANEL].
+PANEL_LAYOUTS = {**{name: (int(name.startswith("layers.")), contracted) for name, contracted in DENSE_WEIGHTS.items()},
+                 "layers.experts_gate_up": (1, 1), "layers.experts_down": (2, 1), "layers.shared_gate_up": (1, 1),
+                 "layers.shared_down": (1, 1)}
+# Stored in panels only where their contracted dim is whole panels too: both of them, or neither (the kernel reads
+# the pair; one of them in panels alone would be turned back into its own layout every step).
+EXPERT_WEIGHTS = ("layers.experts_gate_up", "layers.experts_down")
 
 
 def outputs_first(dims: tuple, lead: int, contracted: int) -> tuple:
@@ -32,6 +41,15 @@ def panel_shape(shape: tuple[int, ...], lead: int, contracted: int) -> tuple[int
     """A dense weight's shape [*lead, *in, *out] in panels: [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL]."""
     *lead_and_outs, last_out = outputs_first(shape, lead, contracted)[:len(shape) - contracted]
     return (*lead_and_outs, last_out // PANEL, *shape[lead:lead + contracted], PANEL)
+
+
+def own_layout(data: jax.Array, lead: int, contracted: int) -> jax.Array:
+    """Panels [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL] back in the weight's own layout [*lead, *in, *out] (a
+    copy: for XLA's formulations where no kernel reads the panels)."""
+    outs = data.ndim - lead - contracted - 1
+    ins = range(lead + outs, lead + outs + contracted)
+    own = data.transpose((*range(lead), *ins, *range(lead, lead + outs), data.ndim - 1))
+    return own.reshape(*own.shape[:-2], own.shape[-2] * PANEL)
 
 
 @jax.tree_util.register_pytree_node_class

@@ -47,8 +47,8 @@ def for_mesh(mesh: Mesh) -> Callable | None:
 
 
 # What a kernel call computes (its int32 mode operand): x @ w; silu(gate) * up; residual + x @ w, written over the
-# residual (a decoder layer's o and down projections).
-PLAIN, GATED, ADD = 0, 1, 2
+# residual (a decoder layer's o and down projections); residual + a Mixture-of-Experts layer's routed experts.
+PLAIN, GATED, ADD, ROUTED = 0, 1, 2, 3
 
 
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
@@ -72,3 +72,18 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
         return call(x, panels, layer, jnp.int32(ADD), residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
     return call(x, panels, layer, jnp.int32(GATED if gated else PLAIN))
+
+
+def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, first: jax.Array | int, chosen: jax.Array,
+                   weights: jax.Array, residual: jax.Array) -> jax.Array:
+    """residual + sum over j of weights[t, j] * expert chosen[t, j]'s MLP of x[t] -> [T, E], for x [T, E] and
+    each token's top k experts ``chosen`` [T, k] (ids from 0) with their ``weights`` [T, k]: a Mixture-of-Experts
+    layer's experts, each computing only the rows routed to it (``moe.moe_mlp``). The experts' weights in panels,
+    every layer's stacked: gate/up [L X, 2 Fm / PANEL, E, PANEL] (each expert's gate panels, then its up panels),
+    down [L X, E / PANEL, Fm, PANEL]; the layer's expert e is at ``first`` + e. The kernel sorts the routes by
+    expert, runs each expert's rows through its gate/up panels (silu(gate) * up while the tiles are in cache), then
+    its down panels, and adds each token's routes to the residual in place, in expert order."""
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32), input_output_aliases={7: 0})
+    return call(x, gate_up, jnp.asarray(first, jnp.int32), jnp.int32(ROUTED), down, chosen.astype(jnp.int32),
+                weights.astype(jnp.float32), residual.astype(jnp.float32))
+

@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pipejax.runner.cpu.dense import ADD, GATED
+from pipejax.runner.cpu.dense import ADD, GATED, ROUTED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.isa import vector_lanes
 from pipejax.runner.cpu.vector_exp import exp_f32
@@ -191,6 +191,134 @@ def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
         _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
 
 
+# --- a Mixture-of-Experts layer's routed experts (``cpu_dense.routed_experts``) ------------------------------------
+
+
+@numba.njit(inline="always")
+def _routes_by_expert(chosen):
+    """The routes (token t's j-th expert: route t k + j) of ``chosen`` [T, k] sorted by expert (stable): each
+    expert's first sorted position (``starts`` [n + 1], n the largest expert id + 1) and the sorted routes."""
+    T, k = chosen.shape
+    n = 0
+    for t in range(T):
+        for j in range(k):
+            n = max(n, chosen[t, j] + 1)
+    starts = np.zeros(n + 1, np.int64)
+    for t in range(T):
+        for j in range(k):
+            starts[chosen[t, j] + 1] += 1
+    for e in range(n):
+        starts[e + 1] += starts[e]
+    fill, order = starts[:n].copy(), np.empty(T * k, np.int64)
+    for t in range(T):
+        for j in range(k):
+            e = chosen[t, j]
+            order[fill[e]] = t * k + j
+            fill[e] += 1
+    return starts, order
+
+
+@numba.njit(inline="always")
+def _routed_setup(x_addr, T, E, chosen):
+    """The routes sorted by expert (``_routes_by_expert``), their tokens' rows gathered in that order (xs [T k, E]),
+    and the experts that have routes."""
+    starts, order = _routes_by_expert(chosen)
+    k = chosen.shape[1]
+    x = numba.carray(ptr(x_addr), (T, E), np.float32)
+    xs = np.empty((order.shape[0], E), np.float32)
+    for i in range(order.shape[0]):
+        xs[i] = x[order[i] // k]
+    n = starts.shape[0] - 1
+    active = np.empty(n, np.int64)
+    count = 0
+    for e in range(n):
+        if starts[e + 1] > starts[e]:
+            active[count] = e
+            count += 1
+    return starts, order, xs, active[:count]
+
+
+@numba.njit(fastmath=True, error_model="numpy", inline="always")
+def _routed_gate_up(task, active, starts, xs, act, gu_addr, base, E, gu_panels):
+    """Task ``task`` of the gate/up pass: one expert's routes through one pair of its gate and up panels."""
+    half = gu_panels // 2
+    e, p = active[task // half], task % half
+    gate, up = _glu_scratch()
+    w_addr = gu_addr + (base + e) * gu_panels * E * PANEL * 4
+    _glu_panel(xs.ctypes.data + starts[e] * E * 4, E, w_addr, act.ctypes.data + starts[e] * half * PANEL * 4, p,
+               gu_panels, starts[e + 1] - starts[e], gate, up)
+
+
+@numba.njit(inline="always")
+def _routed_down(task, active, starts, act, ys, down_addr, base, E, Fm):
+    """Task ``task`` of the down pass: one expert's routes through one of its down panels."""
+    panels = E // PANEL
+    e, p = active[task // panels], task % panels
+    w_addr = down_addr + (base + e) * panels * Fm * PANEL * 4
+    _panel_into(act.ctypes.data + starts[e] * Fm * 4, w_addr, ys.ctypes.data + starts[e] * E * 4,
+                starts[e + 1] - starts[e], Fm, panels, p, False)
+
+
+@numba.njit(inline="always")
+def _routed_combine(out_addr, T, E, ys, order, weights):
+    """out[t] += sum of t's routes' outputs times their weights, added in expert order (as transformers' loop over
+    the experts adds them)."""
+    k = weights.shape[1]
+    position = np.empty(order.shape[0], np.int64)
+    for i in range(order.shape[0]):
+        position[order[i]] = i
+    out = numba.carray(ptr(out_addr), (T, E), np.float32)
+    y = np.empty(E, np.float32)
+    for t in range(T):
+        y[:] = 0
+        for i in np.sort(position[t * k:(t + 1) * k]):
+            y += weights[t, order[i] % k] * ys[i]
+        out[t] += y
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True)
+def _routed(x_addr, gu_addr, base, down_addr, chosen, weights, out_addr, T, E, gu_panels, Fm):
+    """out [T, E] += the routed experts' MLPs of x, on the calling thread (``cpu_dense.routed_experts``)."""
+    starts, order, xs, active = _routed_setup(x_addr, T, E, chosen)
+    act, ys = np.empty((order.shape[0], Fm), np.float32), np.empty((order.shape[0], E), np.float32)
+    for task in range(active.shape[0] * (gu_panels // 2)):
+        _routed_gate_up(task, active, starts, xs, act, gu_addr, base, E, gu_panels)
+    for task in range(active.shape[0] * (E // PANEL)):
+        _routed_down(task, active, starts, act, ys, down_addr, base, E, Fm)
+    _routed_combine(out_addr, T, E, ys, order, weights)
+
+
+@numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
+def _routed_parallel(x_addr, gu_addr, base, down_addr, chosen, weights, out_addr, T, E, gu_panels, Fm):
+    """The same with each pass's (expert, panel) tasks spread over numba's threads (TBB)."""
+    starts, order, xs, active = _routed_setup(x_addr, T, E, chosen)
+    act, ys = np.empty((order.shape[0], Fm), np.float32), np.empty((order.shape[0], E), np.float32)
+    for task in numba.prange(active.shape[0] * (gu_panels // 2)):
+        _routed_gate_up(task, active, starts, xs, act, gu_addr, base, E, gu_panels)
+    for task in numba.prange(active.shape[0] * (E // PANEL)):
+        _routed_down(task, active, starts, act, ys, down_addr, base, E, Fm)
+    _routed_combine(out_addr, T, E, ys, order, weights)
+
+
+@numba.njit(inline="always")
+def _array2(args, i, dtype):
+    data, dims = buffer(args, i)
+    return numba.carray(data, (dims[0], dims[1]), dtype)
+
+
+@numba.njit(inline="always")
+def _routed_operands(frame):
+    """x [T, E]; the experts' gate/up panels [L X, 2 Fm / 32, E, 32] and the layer's first expert there (an int32
+    scalar); the mode; down panels [L X, E / 32, Fm, 32]; chosen [T, k] int32; weights [T, k]; the residual
+    [T, E], out's own buffer."""
+    args, rets = arguments(frame, 8)
+    x_data, x_dims = buffer(args, 0)
+    gu_data, gu_dims = buffer(args, 1)
+    down_data, down_dims = buffer(args, 4)
+    return (address(x_data), address(gu_data), scalar_i32(args, 2), address(down_data), _array2(args, 5, np.int32),
+            _array2(args, 6, np.float32), address(buffer(rets, 0)[0]), x_dims[0], x_dims[1], gu_dims[1], down_dims[2])
+
+
 @numba.njit(inline="always")
 def _operands(frame):
     """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``); x's address, layer ``layer``'s panels'
@@ -211,22 +339,37 @@ def _by_mode(glu, matmul, mode, x_addr, w_addr, out_addr, m, kc, panels):
         matmul(x_addr, w_addr, out_addr, m, kc, panels, mode == ADD)
 
 
-@numba.njit
-def _dense(mode, x_addr, w_addr, out_addr, m, kc, panels):
-    _by_mode(_glu, _matmul, mode, x_addr, w_addr, out_addr, m, kc, panels)
+@numba.njit(inline="always")
+def _whole_frame(frame):
+    return (frame,)
 
 
 @numba.njit
-def _dense_parallel(mode, x_addr, w_addr, out_addr, m, kc, panels):
-    _by_mode(_glu_parallel, _matmul_parallel, mode, x_addr, w_addr, out_addr, m, kc, panels)
+def _dense(frame):
+    if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
+        x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
+        _routed(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
+    else:
+        mode, x, w, out, m, kc, panels = _operands(frame)
+        _by_mode(_glu, _matmul, mode, x, w, out, m, kc, panels)
+
+
+@numba.njit
+def _dense_parallel(frame):
+    if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
+        x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
+        _routed_parallel(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
+    else:
+        mode, x, w, out, m, kc, panels = _operands(frame)
+        _by_mode(_glu_parallel, _matmul_parallel, mode, x, w, out, m, kc, panels)
 
 
 def _handler(frame_addr):  # compiled by compile_handler
-    return serve(frame_addr, _operands, _dense)
+    return serve(frame_addr, _whole_frame, _dense)
 
 
 def _handler_parallel(frame_addr):  # the same over numba's threads
-    return serve(frame_addr, _operands, _dense_parallel)
+    return serve(frame_addr, _whole_frame, _dense_parallel)
 
 
 compile_handler = handler_compiler(_handler, _handler_parallel)

@@ -108,8 +108,11 @@ class Selection:
         """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
         from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
+        dense_kernel = dense.for_mesh(mesh) if self.dense_matmuls == "cpu-kernel" else None
         return Kernels(
-            dense=dense.for_mesh(mesh) if self.dense_matmuls == "cpu-kernel" else None,
+            dense=dense_kernel,
+            # a MoE's experts are in panels where the dense weights are: the same kernel reads each one's routed rows
+            routed_experts=dense.routed_experts if dense_kernel is not None and dense.prepare() else None,
             # weights kept quantized are in panels on one CPU device whatever the float choice (``use_panels``)
             quantized_dense=quantized_dense.matmul if mesh.devices.size == 1 else None,
             decode_attention=decode_attention.for_mesh(mesh) if self.decode_attention == "cpu-kernel" else None,
