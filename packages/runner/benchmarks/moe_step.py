@@ -14,11 +14,12 @@ What bounds the ratio, measured two ways in the same run:
 
 - *the MLPs alone* (everything else in the two steps is the same: attention, norms, LM head, sampling): every
   layer's MLP applied once to a [batch, hidden] activation, one jit over per-layer arrays as the unrolled decode
-  step reads them, timed alternately in one process: the runner's MoE MLP (``moe.moe_mlp``: the router, then every
-  token through every expert), the dense model's MLP (``model.mlp``) of the active width top_k x Fm on the CPU
-  dense kernel over panels and on XLA's dot, and ``model.mlp`` of width num_experts x Fm both ways (the dense
-  formulation's FLOPs as one plain MLP: MoE / this is what the formulation adds to its FLOPs, this / the active
-  MLP the FLOP ratio num_experts / top_k);
+  step reads them, timed alternately in one process: the runner's MoE MLP (``moe.moe_mlp``) both ways a stage runs
+  it (with the CPU dense kernel, the routed-experts kernel over each expert's panels; with XLA's dots, every token
+  through every expert, or the chosen experts gathered at a few tokens), the dense model's MLP (``model.mlp``) of
+  the active width top_k x Fm on the CPU dense kernel over panels and on XLA's dot, and ``model.mlp`` of width
+  num_experts x Fm both ways (every expert's FLOPs as one plain MLP; this / the active MLP is the FLOP ratio
+  num_experts / top_k);
 - *the step as the number of experts varies at fixed top_k* (``--experts``: more MoE checkpoints, the same
   widths; their processes join the rounds): a formulation that runs every expert grows by one expert's work per
   expert, where routed work would stay flat.
@@ -52,7 +53,7 @@ class MlpParts:
     """Every layer's MLP alone, four ways, for a process of its own (see the module docstring): ``seconds(name,
     rows, repeats)`` for name in ``NAMES``."""
 
-    NAMES = ("moe_experts", "dense_active_kernel", "dense_active_xla", "dense_all_experts_kernel",
+    NAMES = ("moe_routed_kernel", "moe_xla", "dense_active_kernel", "dense_active_xla", "dense_all_experts_kernel",
              "dense_all_experts_xla")
 
     def __init__(self, sizes: MoeSizes):
@@ -61,7 +62,7 @@ class MlpParts:
 
         from pipejax.runner.config import MoeConfig
         from pipejax.runner.cpu import dense as cpu_dense
-        from pipejax.runner.model import mlp
+        from pipejax.runner.model import NO_KERNELS, Kernels, mlp
         from pipejax.runner.moe import moe_mlp, moe_param_shapes
         from pipejax.runner.panels import Panels, panel_shape
 
@@ -79,24 +80,32 @@ class MlpParts:
                 return {n: Panels(weight(panel_shape(shape, 0, 1))) for n, shape in shapes.items()}
             return {n: weight(shape) for n, shape in shapes.items()}
 
+        def moe_layer(panels: bool) -> dict[str, Any]:
+            shapes = moe_param_shapes(E, moe)
+            p = {name: weight(shape, 1.0 if name == "router" else 0.02) for name, (shape, _) in shapes.items()}
+            if panels:  # each expert's own panels, as a CPU stage with the dense kernel stores them
+                p["experts_gate_up"] = Panels(weight(panel_shape(shapes["experts_gate_up"][0], 0, 1)))
+                p["experts_down"] = Panels(weight(panel_shape(shapes["experts_down"][0], 1, 1)))
+            return p
+
         L = sizes.layers
         layers = {
-            "moe_experts": [{name: weight(shape, 1.0 if name == "router" else 0.02)
-                             for name, (shape, _) in moe_param_shapes(E, moe).items()} for _ in range(L)],
+            "moe_routed_kernel": [moe_layer(panels=True) for _ in range(L)],
+            "moe_xla": [moe_layer(panels=False) for _ in range(L)],
             "dense_active_kernel": [dense_mlp(k * Fm, panels=True) for _ in range(L)],
             "dense_active_xla": [dense_mlp(k * Fm, panels=False) for _ in range(L)],
             "dense_all_experts_kernel": [dense_mlp(X * Fm, panels=True) for _ in range(L)],
             "dense_all_experts_xla": [dense_mlp(X * Fm, panels=False) for _ in range(L)],
         }
-        self.kernel = cpu_dense.matmul if cpu_dense.prepare() else None
+        self.kernel = cpu_dense.prepare()
+        kernels = Kernels(dense=cpu_dense.matmul, routed_experts=cpu_dense.routed_experts) if self.kernel else None
 
         def forward(name):
+            chosen = kernels if name.endswith("_kernel") and kernels else NO_KERNELS
+
             def run(x, ps):
                 for p in ps:
-                    if name == "moe_experts":
-                        x = moe_mlp(x, p, moe, x)
-                    else:
-                        x = mlp(x, p, x, self.kernel if name.endswith("_kernel") else None)
+                    x = moe_mlp(x, p, moe, x, kernels=chosen) if name.startswith("moe") else mlp(x, p, x, chosen)
                 return x
 
             return jax.jit(run)
@@ -176,8 +185,9 @@ def measure(args: argparse.Namespace, sizes: MoeSizes, paths: dict[str, str], st
     step = {n: {b: summary(v) for b, v in per_b.items()} for n, per_b in times.items()}
     ratio = {b: summary([m / d for m, d in zip(times["moe"][b], times["dense"][b], strict=True)]) for b in batches}
     mlp = {n: {b: summary(v) for b, v in per_b.items()} for n, per_b in mlp_ms.items()}
-    dense_choice = "dense_active_kernel" if switches["dense"]["dense_matmuls"] == "cpu-kernel" else "dense_active_xla"
-    mlp_ratio = {b: summary([m / d for m, d in zip(mlp_ms["moe_experts"][b], mlp_ms[dense_choice][b], strict=True)])
+    as_runner = "kernel" if switches["dense"]["dense_matmuls"] == "cpu-kernel" else "xla"
+    dense_choice, moe_choice = f"dense_active_{as_runner}", "moe_routed_kernel" if as_runner == "kernel" else "moe_xla"
+    mlp_ratio = {b: summary([m / d for m, d in zip(mlp_ms[moe_choice][b], mlp_ms[dense_choice][b], strict=True)])
                  for b in batches}
     sweep = {experts_of[n]: step[n] for n in paths if n.startswith("moe")}
     return {
@@ -185,6 +195,7 @@ def measure(args: argparse.Namespace, sizes: MoeSizes, paths: dict[str, str], st
         "steps_per_call": steps, "rounds": args.repeats, "goal": GOAL,
         "switches": switches, "first_step_s": first_step_s, "step_ms": step, "moe_over_dense": ratio,
         "mlp_ms": mlp, "mlp_moe_over_dense": mlp_ratio, "dense_mlp_as_runner": dense_choice,
+        "moe_mlp_as_runner": moe_choice,
         "dense_kernel_built": kernel, "step_ms_by_experts": dict(sorted(sweep.items())),
         "flop_ratio_of_formulation": sizes.experts / sizes.top_k,
     }

@@ -2,8 +2,10 @@
 routing -> experts -> the block.
 
 Routing is transformers': router logits in the activations' dtype, softmax in fp32, the top k, renormalised where
-the model asks (``MoeConfig.norm_topk_prob``). The experts run in one of two static formulations, chosen by the
-step's token count (both drop no token):
+the model asks (``MoeConfig.norm_topk_prob``). On a CPU stage of one device whose dense weights are in panels, each
+expert's weights are too, and a kernel (``Kernels.routed_experts``) runs each expert on the rows routed to it only:
+the routed FLOPs, reading only the experts some token chose. Elsewhere (TPU, tp > 1, XLA's dots chosen on CPU) the
+experts run in one of two static formulations, chosen by the step's token count (both drop no token):
 - few tokens (T k <= X / 4, ``GATHER_SHARE``: decode steps of small batches): each token's top k experts'
   weights are gathered, so the step reads T k experts, not all X;
 - otherwise every token through every expert's gate/up projection, the activations scaled by the token's routing
