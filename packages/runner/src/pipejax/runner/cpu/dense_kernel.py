@@ -218,7 +218,9 @@ def _routes_by_expert(chosen):
     return starts, order
 
 
-@numba.njit(inline="always")
+# (``_routed_setup`` and ``_routed_combine`` are not inlined: inside the parallel handler numba would turn each of
+# their row copies and adds into a parallel loop of its own, one TBB launch per row)
+@numba.njit
 def _routed_setup(x_addr, T, E, chosen):
     """The routes sorted by expert (``_routes_by_expert``), their tokens' rows gathered in that order (xs [T k, E]),
     and the experts that have routes."""
@@ -259,7 +261,7 @@ def _routed_down(task, active, starts, act, ys, down_addr, base, E, Fm):
                 starts[e + 1] - starts[e], Fm, panels, p, False)
 
 
-@numba.njit(inline="always")
+@numba.njit(fastmath=True, error_model="numpy")
 def _routed_combine(out_addr, T, E, ys, order, weights):
     """out[t] += sum of t's routes' outputs times their weights, added in expert order (as transformers' loop over
     the experts adds them)."""
