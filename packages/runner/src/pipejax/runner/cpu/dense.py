@@ -82,7 +82,10 @@ def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, first: jax
     every layer's stacked: gate/up [L X, 2 Fm / PANEL, E, PANEL] (each expert's gate panels, then its up panels),
     down [L X, E / PANEL, Fm, PANEL]; the layer's expert e is at ``first`` + e. The kernel sorts the routes by
     expert, runs each expert's rows through its gate/up panels (silu(gate) * up while the tiles are in cache), then
-    its down panels, and adds each token's routes to the residual in place, in expert order."""
+    its down panels, and adds each token's routes to the residual in place, in expert order. (No XLA fallback: a
+    stage stores the experts in panels only where this kernel was built, ``Selection.kernels``.)"""
+    if _handler() is None:
+        raise RuntimeError("the CPU dense kernel could not be built here: the routed experts need it")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32), input_output_aliases={7: 0})
     return call(x, gate_up, jnp.asarray(first, jnp.int32), jnp.int32(ROUTED), down, chosen.astype(jnp.int32),
                 weights.astype(jnp.float32), residual.astype(jnp.float32))
