@@ -1,7 +1,8 @@
 """Output tokens/s of pipejax's ``LLM`` against transformers' batched ``generate`` on a Mixture-of-Experts model
 (issue 40).
 
-    python benchmarks/moe_throughput.py --json OUT [--repeats 3] [--levels 1 64] [--checkpoint DIR] [--tiny]
+    python benchmarks/moe_throughput.py --json OUT [--repeats 3] [--levels 1 64] [--checkpoint DIR] [--dense-twin]
+        [--tiny]
 
 The model: a Qwen3-MoE checkpoint of random weights made by transformers (fp32, ``save_pretrained``; the runner
 benchmarks' ``moe_models``: hidden 512, 8 layers, 8 experts of width 1024, top 2; 123M parameters, 48M active),
@@ -11,12 +12,15 @@ sides are the throughput section's (``pipejax_benchmarks.sections.throughput``):
 tp=1, in-process), compiled by an untimed run of each c; transformers one ``generate`` over the c prompts (fp32,
 its default threads and MoE experts implementation). Each side in a fresh process of its own; the timed runs
 alternate between them (who goes first alternating too) and the ratio is taken per repeat. Goal: >= 2x at c = 1
-and 64. Next to each pipejax run: its time in prefill steps and in decode steps (the stage step trace).
+and 64. Next to each pipejax run: its time in prefill steps and in decode steps (the stage step trace). With
+``--dense-twin``, a third side in the rotation: pipejax on the dense model of the same active parameters (the MoE's
+hidden size, layers and heads, an FFN of top_k x the expert width), which bounds what the MoE can reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -58,22 +62,38 @@ class HFMoeSide(HFSide):
         return super().info() | {"experts_implementation": self.hf.model.config._experts_implementation}
 
 
-def measure(path: str, levels: list[int], repeats: int) -> dict[str, Any]:
+def measure(path: str, levels: list[int], repeats: int, twin: str | None = None) -> dict[str, Any]:
+    """Each side's timed runs, alternating (``twin``: also pipejax on the dense model of the same active
+    parameters, a third side in the rotation)."""
     pj: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
     ref: dict[int, list[float]] = {c: [] for c in levels}
-    with EngineProcess(PipejaxMoeSide, path, levels) as pj_side, EngineProcess(HFMoeSide, path, levels) as hf_side:
+    twin_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
+    with contextlib.ExitStack() as stack:
+        sides = {"pj": stack.enter_context(EngineProcess(PipejaxMoeSide, path, levels)),
+                 "hf": stack.enter_context(EngineProcess(HFMoeSide, path, levels))}
+        if twin:
+            sides["twin"] = stack.enter_context(EngineProcess(PipejaxMoeSide, twin, levels))
+        names = list(sides)
         for r in range(repeats):
             for c in sorted(levels, reverse=True):
-                for who in ("pj", "hf") if (r + c) % 2 == 0 else ("hf", "pj"):
-                    if who == "pj":
-                        pj[c].append(pj_side.call("run_split", c))
+                shift = (r + c) % len(names)
+                for who in names[shift:] + names[:shift]:
+                    if who == "hf":
+                        ref[c].append(sides["hf"].call("run", c, True)["seconds"])
                     else:
-                        ref[c].append(hf_side.call("run", c, True)["seconds"])
-        pj_info, hf_info = pj_side.call("info"), hf_side.call("info")
+                        (pj if who == "pj" else twin_runs)[c].append(sides[who].call("run_split", c))
+        pj_info, hf_info = sides["pj"].call("info"), sides["hf"].call("info")
     out: dict[str, Any] = {"levels": levels, "pipejax_tps": {}, "hf_tps": {}, "ratio": {}, "pipejax_steps": {}}
+    if twin:
+        out |= {"dense_twin": twin, "twin_tps": {}, "twin_over_hf": {}, "moe_over_twin": {}}
     for c in levels:
         tps = [c * OUTPUT_LEN / run["seconds"] for run in pj[c]]
         hf_tps = [c * OUTPUT_LEN / s for s in ref[c]]
+        if twin:  # per round: the dense twin against transformers' MoE, and pipejax's MoE against the twin
+            twin_tps = [c * OUTPUT_LEN / run["seconds"] for run in twin_runs[c]]
+            out["twin_tps"][c] = summary(twin_tps)
+            out["twin_over_hf"][c] = summary([t / h for t, h in zip(twin_tps, hf_tps, strict=True)])
+            out["moe_over_twin"][c] = summary([m / t for m, t in zip(tps, twin_tps, strict=True)])
         out["pipejax_tps"][c], out["hf_tps"][c] = summary(tps), summary(hf_tps)
         out["ratio"][c] = summary([a / b for a, b in zip(tps, hf_tps, strict=True)])
         out["pipejax_steps"][c] = {k: summary([run[k] for run in pj[c]])
@@ -94,6 +114,9 @@ def main() -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 64], help="concurrencies (at most 64)")
     parser.add_argument("--checkpoint", default=None, help="the model's folder (made there when it has no model)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke run")
+    parser.add_argument("--dense-twin", action="store_true",
+                        help="also pipejax on the dense model of the same active parameters (its FFN top_k x the "
+                             "expert width; made next to the MoE checkpoint): what the MoE's tok/s is bounded by")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from moe_models import MoeSizes, make_checkpoint  # the runner's benchmarks (common put them on the path)
@@ -103,9 +126,12 @@ def main() -> None:
     try:
         if not (folder / "config.json").exists():
             make_checkpoint(folder, sizes)
+        twin = folder / "dense-twin" if args.dense_twin else None
+        if twin is not None and not (twin / "config.json").exists():
+            make_checkpoint(twin, sizes, dense=True)
         result = {"load_start": load_average(), "sizes": vars(sizes), "parameters": sizes.counts(),
                   "workload": {"input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "greedy": True}, "goal": GOAL}
-        result |= measure(str(folder), args.levels, args.repeats)
+        result |= measure(str(folder), args.levels, args.repeats, twin and str(twin))
         result["load_end"] = load_average()
     finally:
         if not args.checkpoint:
@@ -117,6 +143,13 @@ def main() -> None:
         print(f"| {c} | {p['median']:.1f} [{p['min']:.1f}-{p['max']:.1f}] | {h['median']:.1f} [{h['min']:.1f}-"
               f"{h['max']:.1f}] | {r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}] | {s['prefill_s']['median']:.2f}"
               f" / {s['decode_s']['median']:.2f} ({s['decode_step_ms']['median']:.1f}) |")
+    if args.dense_twin:
+        print("\n| c | pipejax dense twin tok/s | twin / transformers' MoE | pipejax MoE / twin |")
+        print("|---:|---:|---:|---:|")
+        for c in args.levels:
+            t, th, mt = (result[k][c] for k in ("twin_tps", "twin_over_hf", "moe_over_twin"))
+            print(f"| {c} | {t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}] | {th['median']:.2f}x [{th['min']:.2f}-"
+                  f"{th['max']:.2f}] | {mt['median']:.2f}x [{mt['min']:.2f}-{mt['max']:.2f}] |")
     Path(args.json).write_text(json.dumps(result, indent=1))
 
 

@@ -120,6 +120,12 @@ def test_quantized_at_load_matches_fake_quantized_transformers(tiny, quantizatio
     oracle.generation_config.eos_token_id = None
     prompts = [[5, 9, 12, 7, 30, 3], [40, 2, 8, 77, 11, 13, 90, 21, 4]]
     stages = ChainedStages(tiny, pp, tp, quantization=quantization)
+    formats = {name: stage.params[name].fmt.name for stage in stages.stages for name in ("embed", "lm_head",
+                                                                                          "layers.down")
+               if name in stage.params}
+    # int4 keeps the embedding and the LM head at 8 bits, as llama.cpp's 4-bit files do
+    assert formats == ({"embed": "int8", "lm_head": "int8", "layers.down": "int8"} if quantization == "int8" else
+                       {"embed": "q8_0", "lm_head": "q8_0", "layers.down": "q4_0"}), formats
     for want, have in zip(hf_logits(oracle, prompts), stages.logits(prefill_batch(prompts)), strict=True):
         assert np.abs(have - want).max() / np.abs(want).max() < 1e-4
     assert greedy_generate(stages, prompts, 6) == hf_greedy(oracle, prompts, 6)

@@ -53,22 +53,27 @@ def make_hf_checkpoint(
 def fake_quantize_(model, quantization: str) -> transformers.PreTrainedModel:
     """``model`` with every linear weight and the embedding quantized and dequantized in place, as ``quantization``
     defines them: "int8" one symmetric scale per output row (its largest magnitude maps to 127); "int4" llama.cpp's
-    Q4_0 in blocks of 32 along a row (the gguf package's own quantizer). The weights a quantized pipejax stage
-    computes with; transformers then runs them in float32."""
+    Q4_0 in blocks of 32 along a row (the gguf package's own quantizer), and for the embedding and the LM head
+    Q8_0. The weights a quantized pipejax stage computes with; transformers then runs them in float32. (A tied
+    embedding and head share one weight: it is quantized once.)"""
     import gguf
 
-    def fake(w: np.ndarray) -> np.ndarray:
+    def fake(w: np.ndarray, vocabulary: bool) -> np.ndarray:
         if quantization == "int4":
-            q4 = gguf.GGMLQuantizationType.Q4_0
-            return gguf.quants.dequantize(gguf.quants.quantize(w, q4), q4).reshape(w.shape)
+            kind = gguf.GGMLQuantizationType.Q8_0 if vocabulary else gguf.GGMLQuantizationType.Q4_0
+            return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).reshape(w.shape)
         scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
         inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
         return np.clip(np.rint(w * inverse), -127, 127) * scale
 
+    vocabulary = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    done = set()
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.copy_(torch.from_numpy(fake(module.weight.float().numpy())))
+            weight = getattr(module, "weight", None)
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and id(weight) not in done:
+                weight.copy_(torch.from_numpy(fake(weight.float().numpy(), id(weight) in vocabulary)))
+                done.add(id(weight))
     return model
 
 

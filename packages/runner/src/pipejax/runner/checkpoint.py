@@ -44,7 +44,14 @@ from pipejax.runner.panels import (
     QuantizedPanels,
     panel_shape,
 )
-from pipejax.runner.quantized import ON_THE_FLY, Format, Quantized, quantize_rows
+from pipejax.runner.quantized import (
+    ON_THE_FLY,
+    ON_THE_FLY_VOCABULARY,
+    VOCABULARY_WEIGHTS,
+    Format,
+    Quantized,
+    quantize_rows,
+)
 from pipejax.runner.safetensors_file import SafetensorsIndex
 
 __all__ = ["CheckpointError", "SafetensorsIndex", "load_stage_params", "open_checkpoint"]
@@ -397,7 +404,7 @@ def _format(ckpt: SafetensorsIndex, name: str, reads: list[Read], quantization: 
     if quantization is None or name not in QUANTIZABLE:
         return None
     if quantization in ON_THE_FLY:
-        return ON_THE_FLY[quantization]
+        return (ON_THE_FLY_VOCABULARY if name in VOCABULARY_WEIGHTS else ON_THE_FLY)[quantization]
     formats = {getattr(ckpt.read(hf_name, hf_shape), "format", None) for hf_name, hf_shape, *_ in reads}
     if len(formats) == 1 and None not in formats:
         return formats.pop()

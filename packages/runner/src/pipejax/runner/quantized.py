@@ -52,8 +52,12 @@ Q4_0 = Format("q4_0", 4, BLOCK, zero=8)  # also what --quantization int4 makes
 Q4_1 = Format("q4_1", 4, BLOCK, offset=True)
 FORMATS = {f.name: f for f in (INT8, Q8_0, Q4_0, Q4_1)}
 
-# What ``--quantization int8|int4`` makes (``config.QUANTIZATION_CHOICES``).
+# What ``--quantization int8|int4`` makes (``config.QUANTIZATION_CHOICES``), and of the token embedding and the LM
+# head: int4 keeps those at 8 bits (Q8_0), as llama.cpp's own 4-bit files keep them at 6-8 bits (at 4 bits,
+# SmolLM2's tied head moved its largest logit by 0.64 of itself: ``benchmarks/probes/quantization_drift.py``).
 ON_THE_FLY = {"int8": INT8, "int4": Q4_0}
+ON_THE_FLY_VOCABULARY = {"int8": INT8, "int4": Q8_0}
+VOCABULARY_WEIGHTS = ("embed", "lm_head")
 
 
 @jax.tree_util.register_dataclass
