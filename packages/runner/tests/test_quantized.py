@@ -16,7 +16,7 @@ from pipejax.runner import gguf_file
 from pipejax.runner.checkpoint import CheckpointError, load_stage_params
 from pipejax.runner.config import ModelConfig, StageConfig
 from pipejax.runner.errors import GGUFError
-from pipejax.runner.quantized import Q4_0, Quantized, dequantize, fake_quantize, pack_nibbles, unpack_nibbles
+from pipejax.runner.quantized import Q4_0, Q8_0, Quantized, dequantize, fake_quantize, pack_nibbles, unpack_nibbles
 from pipejax.runner.tokenizer import Tokenizer
 
 TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
@@ -54,11 +54,14 @@ def test_gguf_blocks_unpack_to_the_gguf_packages_values_bit_for_bit(qtype):
         np.testing.assert_array_equal(pack_nibbles(nibbles, -1), q)
 
 
-def test_int4_is_llama_cpps_q4_0():
+def test_int4_is_llama_cpps_q4_0_and_q8_0():
     w = np.random.default_rng(1).standard_normal((8, 96)).astype(np.float32)
     w[2] = 0  # a zero block: scale 0
     want = gguf.quants.dequantize(gguf.quants.quantize(w, QType.Q4_0), QType.Q4_0)
     np.testing.assert_array_equal(fake_quantize(w, Q4_0, 32), want)
+    # and its embedding and LM head, Q8_0
+    want = gguf.quants.dequantize(gguf.quants.quantize(w, QType.Q8_0), QType.Q8_0)
+    np.testing.assert_array_equal(fake_quantize(w, Q8_0, 32), want)
 
 
 # --- SmolLM2-135M's Q4_1 file kept quantized, against transformers dequantizing the same file -----------------

@@ -133,14 +133,22 @@ def dequantize(w: Quantized, dtype=jnp.float32, xp=jnp):
 def quantize_rows(w: np.ndarray, fmt: Format, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Float rows [r, n] -> (q [r, n] (nibbles packed: [r, n / 2]), scale [r, n / block], offset or None), each
     block of ``block`` elements of a row quantized alone. int8 and Q8_0: the scale maps the block's largest
-    magnitude to 127; Q4_0 as llama.cpp quantizes it (the signed extreme maps to -8, the scale kept in float16)."""
+    magnitude to 127; Q8_0 and Q4_0 as llama.cpp quantizes them (Q4_0: the signed extreme maps to -8; both keep
+    the scale in float16)."""
     w = np.asarray(w, np.float32)
     r, n = w.shape
     blocks = w.reshape(r, n // block, block)
     if fmt.bits == 8:
         scale = np.abs(blocks).max(axis=-1) / np.float32(127)
         inverse = np.divide(1, scale, out=np.zeros_like(scale), where=scale != 0)
-        q = np.clip(np.rint(blocks * inverse[..., None]), -127, 127).astype(np.int8)
+        x = blocks * inverse[..., None]
+        if fmt is Q8_0:  # as llama.cpp quantizes it: halves rounded away from zero, the scale kept in float16
+            a = np.abs(x)
+            q = np.sign(x) * (np.floor(a) + np.floor(2 * (a - np.floor(a))))
+            scale = scale.astype(np.float16)
+        else:
+            q = np.rint(x)
+        q = np.clip(q, -127, 127).astype(np.int8)
         return q.reshape(r, n), scale.astype(np.float32), None
     if fmt is not Q4_0:
         raise ValueError(f"pipejax quantizes float weights to int8 and int4 (Q4_0), not {fmt.name}")
