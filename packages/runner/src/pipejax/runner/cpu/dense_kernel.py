@@ -346,24 +346,25 @@ def _whole_frame(frame):
     return (frame,)
 
 
-@numba.njit
-def _dense(frame):
+@numba.njit(inline="always")
+def _call(frame, routed, glu, matmul):
+    """The call's kernel on its operands: the routed experts (``ROUTED`` mode), or a dense matmul."""
     if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
         x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
-        _routed(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
+        routed(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
     else:
         mode, x, w, out, m, kc, panels = _operands(frame)
-        _by_mode(_glu, _matmul, mode, x, w, out, m, kc, panels)
+        _by_mode(glu, matmul, mode, x, w, out, m, kc, panels)
+
+
+@numba.njit
+def _dense(frame):
+    _call(frame, _routed, _glu, _matmul)
 
 
 @numba.njit
 def _dense_parallel(frame):
-    if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
-        x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
-        _routed_parallel(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
-    else:
-        mode, x, w, out, m, kc, panels = _operands(frame)
-        _by_mode(_glu_parallel, _matmul_parallel, mode, x, w, out, m, kc, panels)
+    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel)
 
 
 def _handler(frame_addr):  # compiled by compile_handler
