@@ -18,6 +18,11 @@ def test_smollm2_parts_cost_what_their_weights_hold():
     assert costs.first_time == 0 and costs.first_bytes == 49152 * 576 * 4  # a lookup: memory, no time
     bf16 = dataclasses.replace(SMOLLM2_135M, dtype="bfloat16").part_costs()
     assert bf16.layer_bytes[0] == costs.layer_bytes[0] / 2
+    # weights kept quantized: the projections and the table in their format, the norms in float32
+    int4 = dataclasses.replace(SMOLLM2_135M, quantization="int4").part_costs()
+    assert int4.layer_bytes[0] == 3_538_944 * (0.5 + 4 / 32) + 2 * 576 * 4
+    assert int4.last_bytes == 49152 * 576 * (1 + 4 / 32) + 576 * 4 and int4.layer_time == costs.layer_time
+    assert dataclasses.replace(SMOLLM2_135M, quantization="int8").part_costs().first_bytes == 49152 * 576
 
 
 def test_auto_gives_the_head_stage_fewer_layers_and_every_stage_agrees():

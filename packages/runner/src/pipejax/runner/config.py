@@ -188,21 +188,26 @@ class ModelConfig:
         its LM head and sampler cost ~4 layers there where this model says ~8 (BENCHMARKS.md, "Stage split by
         cost"). A model, not a measurement."""
         h, heads, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = h * heads + 2 * h * kv + heads * h + (heads + 2 * kv if self.qkv_bias else 0)
-        layer = attention + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        projections = h * heads + 2 * h * kv + heads * h  # q, k, v, o
+        small = 2 * h + (heads + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
         table, size, n = self.vocab_size * h, 2 if self.dtype == "bfloat16" else 4, self.num_layers
         moe, dense = self.moe, 3 * h * self.intermediate_size
         # a MoE layer reads every expert (a batch's tokens reach them all) but computes top_k of them per token
-        work = [layer + (dense if moe is None or not moe.is_sparse(i) else
-                         h * moe.num_experts + 3 * h * (moe.top_k * moe.intermediate_size + moe.shared_expert_size))
+        work = [projections + small + (dense if moe is None or not moe.is_sparse(i) else
+                                       h * moe.num_experts + 3 * h * (moe.top_k * moe.intermediate_size
+                                                                      + moe.shared_expert_size))
                 for i in range(n)]
-        held = [layer + (dense if moe is None or not moe.is_sparse(i) else
-                         h * moe.num_experts + 3 * h * (moe.num_experts * moe.intermediate_size
-                                                         + moe.shared_expert_size))
+        # what a stage holds: the dense projections (and the vocabulary's table) in their kept format
+        # (``weight_bytes``); norms, biases and a MoE's router and experts in float
+        quantized, vocabulary = (weight_bytes(self.quantization, size, v) for v in (False, True))
+        held = [(projections + (dense if moe is None or not moe.is_sparse(i) else 0)) * quantized + size * (
+                    small + (0 if moe is None or not moe.is_sparse(i) else
+                             h * moe.num_experts + 3 * h * (moe.num_experts * moe.intermediate_size
+                                                             + moe.shared_expert_size)))
                 for i in range(n)]
-        return PartCosts(layer_time=tuple(map(float, work)), layer_bytes=tuple(float(b * size) for b in held),
-                         first_time=0.0, first_bytes=float(table * size),
-                         last_time=float(table + h), last_bytes=float((table + h) * size))
+        return PartCosts(layer_time=tuple(map(float, work)), layer_bytes=tuple(map(float, held)),
+                         first_time=0.0, first_bytes=float(table * vocabulary),
+                         last_time=float(table + h), last_bytes=float(table * vocabulary + h * size))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: str | None = None, quantization: str | None = None
@@ -234,6 +239,18 @@ class ModelConfig:
                              f"--quantization {quantization} quantizes float weights: drop it, or give the float "
                              f"checkpoint")
         return dataclasses.replace(cls.from_hf(hf, dtype=dtype), quantization=quantization)
+
+
+def weight_bytes(quantization: str | None, float_size: int, vocabulary: bool) -> float:
+    """Bytes a stage holds per weight of a dense projection (``vocabulary``: of the embedding or LM head) kept as
+    ``quantization`` says (``quantized.ON_THE_FLY``; scales are float32): int8 one byte (its scale per output channel
+    left out); int4 Q4_0's half byte and a scale per 32, the vocabulary's Q8_0 a byte and a scale per 32. "gguf" and
+    float: ``float_size`` (a GGUF file's formats are not in its config: modelled as float, an overestimate)."""
+    if quantization == "int8":
+        return 1.0
+    if quantization == "int4":
+        return 1 + 4 / 32 if vocabulary else 0.5 + 4 / 32
+    return float(float_size)
 
 
 def _hf_dtype(hf: dict) -> str:
