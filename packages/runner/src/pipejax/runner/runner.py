@@ -138,7 +138,7 @@ class StageRunner:
             log.info("stage %d: the dense kernel measured faster here; it runs from the next start (the weights "
                      "were laid out for XLA's dots at load)", self.stage.pp_rank)
             chosen = dataclasses.replace(chosen, dense_matmuls=self.selection.dense_matmuls)
-        switched = [n for n in KERNEL_NAMES if getattr(chosen, n) != getattr(self.selection, n)]
+        switched = [n for n in (*KERNEL_NAMES, "quantized_kernel") if getattr(chosen, n) != getattr(self.selection, n)]
         log.info("stage %d: CPU kernels built in the background, measured in %.1fs; %s", self.stage.pp_rank,
                  time.perf_counter() - started,
                  f"switching {', '.join(switched)} to the kernel (step shapes compile again as they come)"

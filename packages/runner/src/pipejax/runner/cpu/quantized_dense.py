@@ -10,8 +10,10 @@ The panels of a quantized weight w [K, N] (K contracted; N a multiple of PANEL),
 - ``offset``: Q4_1's, like ``scale``.
 ``to_panels`` makes them from a ``quantized.Quantized`` weight [*lead, K, N] (its blocked axis K).
 
-Like ``dense`` the kernel is built at first use (cached on disk by numba); where numba cannot build it, a warning
-says so and XLA's formulation runs instead (``reference``: the layer's weight dequantized, then a dot).
+Like ``dense`` the kernel is built by numba once per host (cached on disk): before the first step of a stage that
+waits for its kernels, else in the background (``select.QUANTIZED_KERNEL``), XLA's formulation running meanwhile
+(``reference``: the layer's weight dequantized, then a dot); where numba cannot build it, a warning says so and
+that formulation stays.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ waits for that is ``KernelOptions.build``: "wait" (a ``StageRunner``'s default) 
 step; "background" (the serving engines' default) runs XLA's formulation now and has a child process build the
 kernels at a lower priority, for the runner to measure and switch to between two steps
 (``StageRunner.adopt_built_kernels``); "cached" runs only kernels already built (a one-shot
-``pipejax generate``: a few prompts gain less from the kernels than their build costs).
+``pipejax generate``: a few prompts gain less from the kernels than their build costs). The kernel of weights kept
+quantized (``QUANTIZED_KERNEL``) is built the same way; it is not measured: XLA's alternative dequantizes every
+layer's weight at every step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ KERNEL_CHOICES = ("auto", "xla", "cpu-kernel")
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
 KERNEL_NAMES = ("dense_matmuls", "decode_attention", "prefill_attention")
+# The kernel of weights kept quantized in panels: no choice to measure (XLA's alternative dequantizes every layer's
+# weight each step), but built like the others, so a stage that will not wait for numba runs XLA's meanwhile.
+QUANTIZED_KERNEL = "quantized_dense"
 KERNEL_BUILDS = ("background", "wait", "cached")
 KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args), passed down as KernelOptions.build
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
@@ -98,6 +103,7 @@ class Selection:
     few_row_dots: str | None
     measured: dict = dataclasses.field(default_factory=dict, compare=False)
     pending: tuple[str, ...] = ()
+    quantized_kernel: bool = True  # weights kept quantized in panels run the quantized kernel (False: not built yet)
 
     @property
     def panels(self) -> bool:
@@ -114,7 +120,7 @@ class Selection:
             # a MoE's experts are in panels where the dense weights are: the same kernel reads each one's routed rows
             routed_experts=dense.routed_experts if dense_kernel is not None and dense.prepare() else None,
             # weights kept quantized are in panels on one CPU device whatever the float choice (``use_panels``)
-            quantized_dense=quantized_dense.matmul if mesh.devices.size == 1 else None,
+            quantized_dense=quantized_dense.matmul if mesh.devices.size == 1 and self.quantized_kernel else None,
             decode_attention=decode_attention.for_mesh(mesh) if self.decode_attention == "cpu-kernel" else None,
             prefill_attention=prefill_attention.for_mesh(mesh) if self.prefill_attention == "cpu-kernel" else None,
         )
@@ -157,6 +163,14 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
             raise ValueError(f"{name}='cpu-kernel' needs {NEEDS[name]} (here: {here}); use 'auto'")
     auto = tuple(name for name, ok in fits.items() if ok and getattr(options, name) == "auto")
     unbuilt = ()
+    # weights kept quantized on one CPU device: the quantized kernel, built at the first step unless the stage will
+    # not wait for numba (then XLA's formulation runs until it is built; "cached" builds nothing)
+    quantized_unbuilt = (cfg.quantization is not None and native and numba_available() and len(devices) == 1
+                         and devices[0].platform == "cpu" and options.build != "wait" and not built(QUANTIZED_KERNEL))
+    if quantized_unbuilt:
+        log.info("the CPU quantized-weights kernel is not built on this host yet: XLA dequantizes the weights %s",
+                 "while it builds in the background" if options.build == "background" else
+                 f"(build {options.build!r}: it is built where a stage waits for it, or in the background)")
     if auto and options.build != "wait":
         known = known_choices(cfg, len(devices), limits, remember_in)
         unbuilt = tuple(n for n in auto if known.get(n, {}).get("choice") != "xla" and not built(n))
@@ -180,15 +194,17 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
         decode_layers="unrolled" if options.decode_layers != "scan" and native and on_cpu else "scan",
         few_row_dots=options.few_row_dots if on_cpu else None,
         measured=measured,
-        pending=unbuilt if options.build == "background" else (),
+        pending=(unbuilt + (QUANTIZED_KERNEL,) * quantized_unbuilt) if options.build == "background" else (),
+        quantized_kernel=not quantized_unbuilt,
     )
 
 
 def _wrappers() -> dict:
     """Each kernel's JAX side (its ``KERNEL``: the numba module; ``prepare()``: build or load it)."""
-    from pipejax.runner.cpu import decode_attention, dense, prefill_attention
+    from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
-    return {"dense_matmuls": dense, "decode_attention": decode_attention, "prefill_attention": prefill_attention}
+    return {"dense_matmuls": dense, "decode_attention": decode_attention, "prefill_attention": prefill_attention,
+            QUANTIZED_KERNEL: quantized_dense}
 
 
 def built(name: str) -> bool:
