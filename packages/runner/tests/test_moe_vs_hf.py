@@ -233,3 +233,33 @@ def test_an_unknown_moe_architecture_is_refused_naming_those_that_load():
     with pytest.raises(ValueError, match=r"unsupported architecture \['DeepseekV3ForCausalLM'\]; .*"
                                          r"MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"):
         ModelConfig.from_hf(hf)
+
+
+def test_experts_in_panels_without_the_routed_kernel():
+    """Experts stored in panels where no routed kernel runs (numba could not build it): turned back into their own
+    layout, the same results as the experts stored so, stacked with a layer index and alone."""
+    from pipejax.runner.panels import panel_shape
+
+    moe = MoeConfig(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True)
+    rng = np.random.default_rng(0)
+    p = {n: rng.standard_normal((2, *s), np.float32) * 0.3 for n, (s, _) in moe_param_shapes(64, moe).items()}
+
+    def in_panels(w, lead):  # [L, *lead, in, *out] -> [L, *lead, *out[:-1], out[-1] / 32, in, 32]
+        outs = w.ndim - 2 - lead
+        split = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+        order = (*range(1 + lead), *range(2 + lead, 2 + lead + outs), 1 + lead, split.ndim - 1)
+        return np.ascontiguousarray(split.transpose(order))
+
+    stacked = {**p, "experts_gate_up": Panels(in_panels(p["experts_gate_up"], 0), 1),
+               "experts_down": Panels(in_panels(p["experts_down"], 1), 1)}
+    assert stacked["experts_gate_up"].data.shape == (2, *panel_shape((64, 4, 2, 32), 0, 1))
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    for gather in (True, False):
+        want = moe_mlp(x, {n: w[1] for n, w in p.items()}, moe, 0 * x, gather=gather)
+        layer = {n: (w if isinstance(w, Panels) else w[1]) for n, w in stacked.items()}
+        np.testing.assert_allclose(np.asarray(moe_mlp(x, layer, moe, 0 * x, gather=gather)), np.asarray(want),
+                                   rtol=1e-5, atol=1e-6)
+        alone = {**layer, "experts_gate_up": Panels(layer["experts_gate_up"].data[1]),
+                 "experts_down": Panels(layer["experts_down"].data[1])}
+        np.testing.assert_allclose(np.asarray(moe_mlp(x, alone, moe, 0 * x, gather=gather)), np.asarray(want),
+                                   rtol=1e-5, atol=1e-6)
