@@ -80,7 +80,7 @@ def scored_slots(shape: list[int], block_size: int) -> int:
     their own Bp blocks where the shape has them."""
     from pipejax.runner.model import prefill_chunks
 
-    _, P, Q, Rd, B, Bp = shape
+    _, P, Q, Rd, B, Bp = shape[:6]  # (a step that also returns prompt hidden states scores the same)
     C, Cp = B * block_size, (Bp or B) * block_size
     prefill = sum((hi - lo) * c_hi for lo, hi, c_hi in prefill_chunks(Q, Cp)) if P else 0
     return P * prefill + Rd * C

@@ -118,7 +118,9 @@ class MlpParts:
         import jax.numpy as jnp
 
         run, ps = self._runs[name]
-        x = jnp.ones((rows, self.hidden), jnp.float32) * 0.1
+        # distinct rows, so that the router spreads them over the experts as a real batch's tokens (rows all alike
+        # would all take the same top_k experts)
+        x = jax.random.normal(jax.random.key(rows), (rows, self.hidden), jnp.float32)
         return statistics.median(timed(lambda: jax.block_until_ready(run(x, ps)), repeats))
 
     def kernel_available(self) -> bool:
