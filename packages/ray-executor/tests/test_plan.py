@@ -157,3 +157,23 @@ def test_the_cli_plans_for_a_live_ray_cluster(tmp_path, capsys, monkeypatch):
         assert "given: memory_bytes, flops, bandwidth" in printed  # the nodes' memory, the rates given
     finally:
         cluster.shutdown()
+
+
+def test_weights_kept_quantized_are_planned_at_their_kept_size(tmp_path, capsys):
+    """Llama-70B on one host of 4 v6e chips (4 x 32 GB): in bf16 its 141 GB of weights do not fit, kept int4 (~44 GB)
+    they do; the commands carry the flag (vLLM's too, where it serves pipejax's int8 / int4)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    hw = Hardware("tpu", num_hosts=1, chips_per_host=4, generation="v6e")
+    bf16, int4 = (ModelConfig.from_pretrained(folder, quantization=q) for q in (None, "int4"))
+    weights = [m.part_costs().stage_bytes(0, 80, 1, 0) for m in (bf16, int4)]
+    assert 0.3 < weights[1] / weights[0] < 0.35  # ~0.63 of a byte a weight (Q4_0, its float32 scales) against 2
+    with pytest.raises(ValueError, match=r"no layout fits .*131.42 GiB of weights.* 2 such hosts"):
+        plan.plan(bf16, hw, plan.tpu_device(hw), WORK)
+    best = plan.plan(int4, hw, plan.tpu_device(hw), WORK)[0]
+    assert best.pp * best.tp * best.dp <= 4 and sum(best.stage_weight_bytes) < weights[0] / 2
+    assert cli.main(["plan", "--model", str(folder), "--tpu", "v6e", "--chips-per-host", "4", "--max-model-len",
+                     "4096", "--quantization", "int4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("--quantization int4") == 2, printed

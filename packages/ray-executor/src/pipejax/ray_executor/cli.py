@@ -139,6 +139,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="as for serve: checkpoint folder, .gguf file, 'builtin' or none "
                    "(SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: the checkpoint's")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=None,
+                   help="as for serve: weights kept quantized, planned at their kept size (gguf: as float, its formats "
+                        "are not in the config)")
     p.add_argument("--hosts", type=int, default=1, help="identical hosts (default 1)")
     p.add_argument("--ray-address", default=None,
                    help="plan for the live Ray cluster there ('auto': RAY_ADDRESS or the local one): its alive TPU "
@@ -172,7 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.hosts < 1:
         raise ValueError(f"--hosts {args.hosts}: a plan needs at least one host")
     model_path = resolve_model(args.model)
-    model = ModelConfig.from_pretrained(model_path, dtype=args.dtype)
+    model = ModelConfig.from_pretrained(model_path, dtype=args.dtype, quantization=args.quantization)
     work = plan.Workload(max_model_len=args.max_model_len or args.prompt_len + args.output_len,
                          concurrency=args.concurrency, prompt_len=args.prompt_len, output_len=args.output_len)
     ray_memory = None
@@ -214,7 +217,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"workload: {work.concurrency} requests at once, {work.prompt_len} tokens in, {work.output_len} out "
           f"(modelled from FLOPs and bytes, not measured)\n")
     print(plan.table(found, args.top))
-    best = plan.commands(found[0], args.model, model_path, work)
+    best = plan.commands(found[0], args.model, model_path, work, args.quantization)
     print(f"\nbest: pp={found[0].pp} tp={found[0].tp} dp={found[0].dp}\n  {best['pipejax']}\n  {best['vllm']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -316,19 +316,23 @@ def _nothing_fits(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Wo
     return f"no layout fits {hw.describe()} ({what}), nor {MAX_HOSTS_TRIED} such hosts: use devices with more memory"
 
 
-def commands(best: LayoutPrediction, model_arg: str | None, model_path: str, work: Workload) -> dict[str, str]:
+def commands(best: LayoutPrediction, model_arg: str | None, model_path: str, work: Workload,
+             quantization: str | None = None) -> dict[str, str]:
     """The exact commands that serve ``best``: pipejax's own server (its KV blocks given: the engine's own sizing
     rule need not be the plan's) and vLLM on pipejax's stages (vLLM sizes the cache itself). ``model_arg``: the
-    model as the user named it (None: the default), ``model_path`` the file or folder it resolved to."""
+    model as the user named it (None: the default), ``model_path`` the file or folder it resolved to;
+    ``quantization``: the weights kept quantized (vLLM takes pipejax's int8 / int4 by the same name)."""
     split = ",".join(map(str, best.partition))
     ray = " --distributed-executor-backend ray" if best.backend == "ray" else ""
     limits = f" --max-model-len {work.max_model_len} --max-num-seqs {best.rows}"
+    quantized = f" --quantization {quantization}" if quantization else ""
     pipejax = (f"pipejax serve{f' --model {model_arg}' if model_arg else ''} -pp {best.pp} -tp {best.tp} -dp {best.dp}"
                + (f" --pp-layer-partition {split}" if best.pp > 1 else "") + ray + limits
-               + f" --num-kv-blocks {best.kv_blocks}")
+               + f" --num-kv-blocks {best.kv_blocks}" + quantized)
     vllm = ((f"VLLM_PP_LAYER_PARTITION={split} " if best.pp > 1 else "")
             + f"vllm serve {model_path} --pipeline-parallel-size {best.pp} --tensor-parallel-size {best.tp}"
-            + (f" --data-parallel-size {best.dp}" if best.dp > 1 else "") + ray + limits)
+            + (f" --data-parallel-size {best.dp}" if best.dp > 1 else "") + ray + limits
+            + (quantized if quantization != "gguf" else ""))
     return {"pipejax": pipejax, "vllm": vllm}
 
 
