@@ -42,6 +42,7 @@ from pipejax.runner.panels import (
     PANEL_LAYOUTS,
     Panels,
     QuantizedPanels,
+    own_order,
     panel_shape,
 )
 from pipejax.runner.quantized import (
@@ -270,12 +271,9 @@ def _bounds(where: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int,
 
 
 def _logical_view(panels: np.ndarray, lead: int, contracted: int) -> np.ndarray:
-    """``panels`` (shaped as ``panels.panel_shape`` says) viewed as [*lead, *in, *out[:-1], out[-1] / PANEL,
-    PANEL]: the weight's own layout with its last dim split in panels, so that a piece of the weight is written
-    where it belongs."""
-    outs = panels.ndim - lead - contracted - 1
-    ins = range(lead + outs, lead + outs + contracted)
-    return panels.transpose((*range(lead), *ins, *range(lead, lead + outs), panels.ndim - 1))
+    """``panels`` (shaped as ``panels.panel_shape`` says) viewed in the weight's own layout with its last dim split
+    in panels (``panels.own_order``), so that a piece of the weight is written where it belongs."""
+    return panels.transpose(own_order(panels.ndim, lead, contracted))
 
 
 class Target(NamedTuple):

@@ -243,14 +243,12 @@ class ModelConfig:
 
 def weight_bytes(quantization: str | None, float_size: int, vocabulary: bool) -> float:
     """Bytes a stage holds per weight of a dense projection (``vocabulary``: of the embedding or LM head) kept as
-    ``quantization`` says (``quantized.ON_THE_FLY``; scales are float32): int8 one byte (its scale per output channel
-    left out); int4 Q4_0's half byte and a scale per 32, the vocabulary's Q8_0 a byte and a scale per 32. "gguf" and
-    float: ``float_size`` (a GGUF file's formats are not in its config: modelled as float, an overestimate)."""
-    if quantization == "int8":
-        return 1.0
-    if quantization == "int4":
-        return 1 + 4 / 32 if vocabulary else 0.5 + 4 / 32
-    return float(float_size)
+    ``quantization`` makes it (``quantized.ON_THE_FLY``, ``ON_THE_FLY_VOCABULARY``). "gguf" and float:
+    ``float_size`` (a GGUF file's formats are not in its config: modelled as float, an overestimate)."""
+    from pipejax.runner.quantized import ON_THE_FLY, ON_THE_FLY_VOCABULARY  # jax: not at this module's import
+
+    fmt = (ON_THE_FLY_VOCABULARY if vocabulary else ON_THE_FLY).get(quantization)
+    return float(float_size) if fmt is None else fmt.bytes_per_weight
 
 
 def _hf_dtype(hf: dict) -> str:

@@ -43,12 +43,18 @@ def panel_shape(shape: tuple[int, ...], lead: int, contracted: int) -> tuple[int
     return (*lead_and_outs, last_out // PANEL, *shape[lead:lead + contracted], PANEL)
 
 
-def own_layout(data: jax.Array, lead: int, contracted: int) -> jax.Array:
-    """Panels [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL] back in the weight's own layout [*lead, *in, *out] (a
-    copy: for XLA's formulations where no kernel reads the panels)."""
-    outs = data.ndim - lead - contracted - 1
+def own_order(ndim: int, lead: int, contracted: int) -> tuple[int, ...]:
+    """The transpose that views panels [*lead, *out[:-1], out[-1] / PANEL, *in, PANEL] (``ndim`` dims) in the
+    weight's own order, its last dim split in panels: [*lead, *in, *out[:-1], out[-1] / PANEL, PANEL]."""
+    outs = ndim - lead - contracted - 1
     ins = range(lead + outs, lead + outs + contracted)
-    own = data.transpose((*range(lead), *ins, *range(lead, lead + outs), data.ndim - 1))
+    return (*range(lead), *ins, *range(lead, lead + outs), ndim - 1)
+
+
+def own_layout(data: jax.Array, lead: int, contracted: int) -> jax.Array:
+    """Panels back in the weight's own layout [*lead, *in, *out] (a copy: for XLA's formulations where no kernel
+    reads the panels)."""
+    own = data.transpose(own_order(data.ndim, lead, contracted))
     return own.reshape(*own.shape[:-2], own.shape[-2] * PANEL)
 
 

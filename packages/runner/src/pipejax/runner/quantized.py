@@ -41,6 +41,12 @@ class Format:
         return self.block or n
 
     @property
+    def bytes_per_weight(self) -> float:
+        """What a weight kept in this format takes, its float32 scale (and offset) shared by a block (a scale per
+        output channel left out)."""
+        return self.bits / 8 + (4 * (1 + self.offset) / self.block if self.block else 0)
+
+    @property
     def dtype(self) -> np.dtype:
         """What ``q`` is stored as: int8, or bytes of two nibbles."""
         return np.dtype(np.int8 if self.bits == 8 else np.uint8)
