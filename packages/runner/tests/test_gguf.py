@@ -19,7 +19,7 @@ from gguf_helpers import gguf_name, hf_model_from_gguf, set_tensor_type, write_g
 from hf_oracle import ChainedStages, greedy_generate, hf_greedy, hf_logits, make_hf_checkpoint, prefill_batch
 
 from pipejax.pp_utils import InProcessTransport, stage_mesh
-from pipejax.runner import gguf_file
+from pipejax.runner import gguf_file, gguf_folder
 from pipejax.runner.checkpoint import CheckpointError, load_stage_params
 from pipejax.runner.config import CacheConfig, ModelConfig, MoeConfig, StageConfig
 from pipejax.runner.runner import StageRunner
@@ -105,6 +105,34 @@ def test_folder_holding_one_gguf(tmp_path, smollm2):
     (tmp_path / "other.gguf").symlink_to(smollm2)
     with pytest.raises(ValueError, match="several GGUF files.*pass the one to load"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_hf_folder_reads_as_the_file(tmp_path, smollm2):
+    """The folder a host that reads only Hugging Face folders (vLLM 0.32) is given: transformers reads the same
+    config and tokenizer from it as from the file itself, and pipejax loads the file's own tensors through it."""
+    folder = gguf_folder.hf_folder(smollm2, tmp_path)
+    assert gguf_folder.hf_folder(smollm2, tmp_path) == folder  # made once per file version
+    assert gguf_file.find_gguf(folder) == folder / smollm2.name
+    assert ModelConfig.from_pretrained(folder, quantization="gguf") == ModelConfig.from_pretrained(
+        smollm2, quantization="gguf")
+    theirs = transformers.AutoConfig.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    ours = transformers.AutoConfig.from_pretrained(folder)
+    assert ours.architectures == ["LlamaForCausalLM"]
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert ours.rope_parameters["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    want = transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    got = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = [*TEXTS, "  spaces,\ttabs and 12345 digits: <|im_end|> über"]
+    assert [got.encode(t) for t in texts] == [want.encode(t) for t in texts]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert got.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == want.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+    generation = transformers.GenerationConfig.from_pretrained(folder)
+    assert set(generation.eos_token_id) >= {want.eos_token_id}
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        gguf_folder.hf_folder(folder / "config.json", tmp_path)
 
 
 # --- synthetic files --------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
     python run_vllm.py '<json spec>'   -> prints one line ``RESULT <json>``
 
 Spec: model, pp, tp, backend, prompt batches (lists of token-id
-lists, generated one batch after the other), max_tokens, and vLLM options (num_gpu_blocks_override,
+lists, generated one batch after the other), optional texts and a chat (through vLLM's tokenizer), max_tokens, and
+vLLM options (num_gpu_blocks_override,
 max_num_batched_tokens). A Ray run starts a local cluster that declares one ``TPU`` resource per
 stage (what vLLM's Ray executors place workers by) and shares it with vLLM's engine core process.
 """
@@ -30,7 +31,7 @@ def run_vllm(spec: dict) -> dict:
         tensor_parallel_size=spec["tp"],
         distributed_executor_backend=spec["backend"],
         dtype="float32",
-        max_model_len=256,
+        max_model_len=spec.get("max_model_len", 256),
         max_num_seqs=16,
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 64),  # long prompts prefill in chunks
         enable_prefix_caching=True,
@@ -43,12 +44,19 @@ def run_vllm(spec: dict) -> dict:
         if "kill_stage" in spec:
             return _kill_stage_while_generating(llm, spec)
         params = vllm.SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-        outputs = []
-        for batch in spec["batches"]:
+        result = {"outputs": []}
+        for batch in spec.get("batches", []):
             done = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-            outputs.append([list(o.outputs[0].token_ids) for o in done])
-        stats = llm.collective_rpc("pipejax_stats")
-        return {"outputs": outputs, "stats": stats}
+            result["outputs"].append([list(o.outputs[0].token_ids) for o in done])
+        if "texts" in spec:  # through vLLM's own tokenizer
+            done = llm.generate(spec["texts"], params, use_tqdm=False)
+            result["texts"] = [{"prompt": o.prompt_token_ids, "output": list(o.outputs[0].token_ids)} for o in done]
+        if "chat" in spec:  # vLLM's chat template and stop tokens
+            done = llm.chat(spec["chat"], vllm.SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+            out = done[0].outputs[0]
+            result["chat"] = {"text": out.text, "finish_reason": out.finish_reason, "output": list(out.token_ids)}
+        result["stats"] = llm.collective_rpc("pipejax_stats")
+        return result
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()  # before Ray goes: the engine core still uses the cluster

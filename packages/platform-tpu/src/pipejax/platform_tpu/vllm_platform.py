@@ -65,13 +65,14 @@ class PipejaxPlatform(Platform):
     ray_noset_device_env_vars = ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]  # the stage sets its own chips
     simple_compile_backend = "eager"  # nothing of pipejax runs through torch.compile
     # quantization= names pipejax's loader takes (``vllm_quantization``); vLLM refuses the others itself
-    supported_quantization = ["int8", "int4"]
+    supported_quantization = ["int8", "int4", "gguf"]
 
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
-        from pipejax.platform_tpu import vllm_quantization
+        from pipejax.platform_tpu import vllm_gguf, vllm_quantization
 
         vllm_quantization.register()
+        vllm_gguf.install()  # model="file.gguf"
     additional_env_vars = FORWARDED_ENV
 
     @classmethod
@@ -87,6 +88,9 @@ class PipejaxPlatform(Platform):
             # first call (the config is checked again in each process that rebuilds it)
             opts = plan_stages(pc.pipeline_parallel_size, pc.tensor_parallel_size, pc.distributed_executor_backend,
                                os.environ)
+            from pipejax.platform_tpu.vllm_gguf import stage_model_path
+
+            opts = dataclasses.replace(opts, model_path=stage_model_path(vllm_config.model_config.model))
             vllm_config.additional_config = {**(vllm_config.additional_config or {}), OPTIONS_KEY: opts.as_dict()}
             # vLLM sees one rank per stage: TP is the stage's own mesh.
             pc.tensor_parallel_size = 1

@@ -1,4 +1,4 @@
-"""``vllm.LLM(quantization="int8" | "int4")`` on pipejax's platform: the names registered as vLLM quantization
+"""``vllm.LLM(quantization="int8" | "int4" | "gguf")`` on pipejax's platform: the names registered as vLLM quantization
 methods (vLLM 0.32 has neither in float32, and no GGUF at all), each a config that only carries its name. vLLM
 never builds its own layers on this platform: the stage worker reads ``model_config.quantization`` and pipejax's
 loader quantizes the weights as it loads them (``pipejax.runner.quantized``). Registered by the platform's
@@ -44,8 +44,12 @@ class Int4(_PipejaxQuantization):
     method = "int4"  # llama.cpp's Q4_0: blocks of 32
 
 
+class Gguf(_PipejaxQuantization):
+    method = "gguf"  # a GGUF file's Q8_0/Q4_0/Q4_1 blocks kept as they are (``vllm_gguf``: model="file.gguf")
+
+
 def register() -> None:
     """Make the names known to vLLM (once per process)."""
-    for config in (Int8, Int4):
+    for config in (Int8, Int4, Gguf):
         if config.method not in QUANTIZATION_METHODS:
             register_quantization_config(config.method)(config)

@@ -41,11 +41,12 @@ GGUF_FORMATS = {QType.Q8_0: Q8_0, QType.Q4_0: Q4_0, QType.Q4_1: Q4_1}
 
 
 def find_gguf(path: str | Path) -> Path | None:
-    """The GGUF file ``path`` names: a ``.gguf`` file, or a folder (without config.json) holding one."""
+    """The GGUF file ``path`` names: a ``.gguf`` file, or a folder holding one and no safetensors (with or without
+    a config.json: ``gguf_folder`` makes such folders for hosts that read config and tokenizer themselves)."""
     path = Path(path)
     if path.is_file():
         return path if path.suffix == ".gguf" else None
-    if not path.is_dir() or (path / "config.json").is_file():
+    if not path.is_dir() or any(path.glob("*.safetensors")):
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) > 1:

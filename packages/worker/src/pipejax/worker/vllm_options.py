@@ -26,6 +26,8 @@ class VllmStageOptions:
     compilation_cache_dir: str | None = None
     cpu_kvcache_space: float | None = None  # GiB per host on CPU; None: the default budget
     cpu_kernel_build: str = "background"
+    # The file the stages load where vLLM's model is a folder holding a GGUF file (None: vLLM's model itself)
+    model_path: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "stage_environments": [dict(e) for e in self.stage_environments]}

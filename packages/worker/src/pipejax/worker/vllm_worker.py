@@ -206,8 +206,8 @@ class VllmStageWorker(WorkerBase):
     def _worker_config(self, stage: StageConfig) -> WorkerConfig:
         sched, mc = self.scheduler_config, self.model_config
         return self.options.worker_config(
-            ModelSource(mc.model, dtype=str(mc.dtype).removeprefix("torch."), quantization=mc.quantization,
-                        seed=mc.seed or 0),
+            ModelSource(self.options.model_path or mc.model, dtype=str(mc.dtype).removeprefix("torch."),
+                        quantization=mc.quantization, seed=mc.seed or 0),
             stage,
             # on CPU the host's KV budget (the options') is shared with the stages of vLLM's other data-parallel
             # engines on this host
