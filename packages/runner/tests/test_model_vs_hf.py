@@ -76,21 +76,24 @@ def test_greedy_decode_matches_generate(checkpoints, arch, case):
 
 
 # Every dense weight a whole number of panels (head_dim 32, F 128, V 256): decode steps' matmuls all run on the
-# CPU dense kernel over them (tp = 1); "xla" keeps the weights' own layout.
-PANEL_FRIENDLY = dict(hidden_size=128, num_attention_heads=4, intermediate_size=128, vocab_size=256,
-                      tie_word_embeddings=False)
+# CPU dense kernel over them (tp = 1), the LM head's too: its own weight, or a tied embedding kept as the head's
+# panels (and looked up by their columns); "xla" keeps the weights' own layout.
+PANEL_FRIENDLY = dict(hidden_size=128, num_attention_heads=4, intermediate_size=128, vocab_size=256)
 
 
-@pytest.mark.parametrize("pp,tp,chunk,dense", [(1, 1, None, "cpu-kernel"), (2, 1, 4, "cpu-kernel"),
-                                               (1, 1, 4, "xla")], ids=["pp1tp1-kernel", "pp2tp1-chunk4", "pp1tp1-xla"])
-def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense):
-    model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY)
+@pytest.mark.parametrize("pp,tp,chunk,dense,tied", [(1, 1, None, "cpu-kernel", False), (2, 1, 4, "cpu-kernel", True),
+                                                    (1, 1, 4, "xla", True)],
+                         ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied"])
+def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense, tied):
+    model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY, tie_word_embeddings=tied)
     expected = hf_greedy(model, PROMPTS, 32)
     stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense)
     assert [s.dense_matmuls for s in stages.stages] == [dense] * pp
     layers = ["layers.down", "layers.gate_up", "layers.o", "layers.qkv"] if dense == "cpu-kernel" else []
     for s in stages.stages:  # every dense weight in panels where the kernel runs; none otherwise
-        want = sorted(layers + ["lm_head"] * (dense == "cpu-kernel" and s.stage.is_last))
+        # the LM head's weight, or the tied embedding wherever a stage holds it (the first stage's too)
+        head = (["embed"] if s.stage.has_embedding(s.cfg) else []) if tied else ["lm_head"] if s.stage.is_last else []
+        want = sorted(layers + head * (dense == "cpu-kernel"))
         assert sorted(n for n, w in s.params.items() if isinstance(w, Panels)) == want
     assert greedy_generate(stages, PROMPTS, 32, chunk=chunk) == expected
 

@@ -445,16 +445,27 @@ def _quantized_targets(name: str, spec, fmt: Format, sharding, mesh: Mesh, rules
     return targets, axis
 
 
+def _tied_head(name: str, spec, cfg: ModelConfig) -> bool:
+    """Whether ``name`` is a tied embedding that can be stored as the LM head's panels (its vocabulary whole panels):
+    then the head's matmul runs on the CPU kernels, and the embedding's lookup reads the panels' columns."""
+    return name == "embed" and cfg.tie_word_embeddings and spec.shape[0] % PANEL == 0
+
+
+def _as_head(spec, reads: list[Read]) -> tuple[ParamSpec, list[Read]]:
+    """The embedding [V, E] as the LM head [E, V]: its spec, and its reads with rows placed as columns."""
+    V, E = spec.shape
+    return ParamSpec((E, V), ("embed", "vocab")), [
+        (hf_name, hf_shape, _panel_rows(V), lambda w, r0, r1: ((slice(None), slice(r0, r1)), w.T), prefix)
+        for hf_name, hf_shape, _, _, prefix in reads]
+
+
 def _load_quantized(ckpt: SafetensorsIndex, name: str, reads: list[Read], spec, fmt: Format, mesh: Mesh, rules,
                     cfg: ModelConfig, panels: bool) -> Quantized | QuantizedPanels:
     """Parameter ``name`` kept in ``fmt``: in panels where ``panels`` (a tied embedding as the LM head's: [E, V],
     its rows read as columns), else as ``quantized.Quantized``."""
     layout_of = name
-    if panels and name == "embed" and cfg.tie_word_embeddings and spec.shape[0] % PANEL == 0:
-        layout_of, (V, E) = "lm_head", spec.shape
-        spec = ParamSpec((E, V), ("embed", "vocab"))
-        reads = [(hf_name, hf_shape, _panel_rows(V), lambda w, r0, r1: ((slice(None), slice(r0, r1)), w.T), prefix)
-                 for hf_name, hf_shape, _, _, prefix in reads]
+    if panels and _tied_head(name, spec, cfg):
+        layout_of, spec, reads = "lm_head", *_as_head(spec, reads)
     sharding = logical_sharding(mesh, spec.logical_axes, rules)
     targets, axis = _quantized_targets(layout_of, spec, fmt, sharding, mesh, rules, panels)
     block = fmt.block_of(spec.shape[axis])
@@ -472,7 +483,7 @@ def load_stage_params(
     weights in panels (``panels.Panels``); None: where ``use_panels`` says so. With ``cfg.quantization``, the
     weights ``QUANTIZABLE`` names are kept quantized (``quantized.Quantized``), in panels wherever ``use_panels``
     says (``panels.QuantizedPanels``, for the CPU quantized kernel: XLA's alternative writes each layer's float
-    weight out at every step), a tied embedding then as the LM head's panels."""
+    weight out at every step). Where the weights are in panels, a tied embedding is kept as the LM head's."""
     tp = mesh.shape["tp"]
     specs, rules = param_specs(cfg, stage, tp), stage_rules(cfg, stage, tp)
     dtype = np.dtype(ml_dtypes.bfloat16) if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
@@ -487,6 +498,10 @@ def load_stage_params(
                 params[name] = _load_quantized(ckpt, name, reads, spec, fmt, mesh, rules, cfg, quantized_panels)
                 continue
             layout = _panels_for(name, spec, sharding, mesh, rules) if panels else None
+            if panels and _tied_head(name, spec, cfg):  # kept as the LM head's panels [V / PANEL, E, PANEL]
+                spec, reads = _as_head(spec, reads)
+                sharding = logical_sharding(mesh, spec.logical_axes, rules)
+                layout = _panels_for("lm_head", spec, sharding, mesh, rules)
             pieces = (p for read in reads for p in _chunks(ckpt, read))
             (params[name],) = _place(name, pieces, [Target(tuple(spec.shape), dtype, sharding, layout)])
             if layout is not None:

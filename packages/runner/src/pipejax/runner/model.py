@@ -194,11 +194,13 @@ def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, kernels: Ker
     return project(act, p["down"], 1, kernels, residual=residual)
 
 
-def embed(table: jax.Array | Quantized | QuantizedPanels, token_ids: jax.Array, dtype) -> jax.Array:
+def embed(table: jax.Array | Panels | Quantized | QuantizedPanels, token_ids: jax.Array, dtype) -> jax.Array:
     """The embedding rows of ``token_ids`` [T] -> [T, E] (of a table kept quantized: those rows dequantized; kept as
     the tied LM head's panels [E, V]: those columns)."""
     if isinstance(table, QuantizedPanels):
         return table.columns(token_ids, dtype)
+    if isinstance(table, Panels):
+        return table.columns(token_ids).astype(dtype)
     if isinstance(table, Quantized):
         return dequantize(table.rows(token_ids), dtype)
     return table[token_ids].astype(dtype)
@@ -453,8 +455,8 @@ def lm_head(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, kernel
     where tied)."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
-        table = params["embed"]  # [V, E], or kept quantized as the head's panels [E, V] already
-        head = table if isinstance(table, QuantizedPanels) else (
+        table = params["embed"]  # [V, E], or as the head's panels [E, V] already
+        head = table if isinstance(table, Panels | QuantizedPanels) else (
             dequantize(table, x.dtype) if isinstance(table, Quantized) else table).T  # [E, V]
     else:
         head = params["lm_head"]

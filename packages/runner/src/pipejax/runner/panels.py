@@ -72,6 +72,11 @@ class Panels:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def columns(self, index: jax.Array) -> jax.Array:
+        """Output columns ``index`` [T] of a weight [K, N] (no lead dims) as rows [T, K]: the tied embedding's
+        lookup, when the embedding is kept as the LM head's panels."""
+        return self.data[index // PANEL, :, index % PANEL]
+
     def tree_flatten(self):
         return (self.data, self.layer), None
 
