@@ -5,12 +5,10 @@ install it."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-import transformers
+from pipejax_test_support import hf_model_from_gguf
 from test_ray_executor import start_cluster, stop_cluster
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pipejax.ray_executor import LLM, SamplingParams
 from pipejax.ray_executor.engine_args import resolve_model
@@ -22,15 +20,8 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def expected():
-    """transformers' greedy continuation of TEXTS on the weights it dequantizes from the same file."""
-    path = default_model.default_model_path()
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.dtype = torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
-    return model
+    """transformers' model of the same file, its weights as transformers dequantizes them."""
+    return hf_model_from_gguf(default_model.default_model_path())
 
 
 def _greedy(llm: LLM, model) -> tuple[list[list[int]], list[list[int]]]:

