@@ -2,7 +2,7 @@
 (issue 40).
 
     python benchmarks/moe_throughput.py --json OUT [--repeats 3] [--levels 1 64] [--checkpoint DIR] [--dense-twin]
-        [--tiny]
+        [--max-num-batched-tokens N] [--tiny]
 
 The model: a Qwen3-MoE checkpoint of random weights made by transformers (fp32, ``save_pretrained``; the runner
 benchmarks' ``moe_models``: hidden 512, 8 layers, 8 experts of width 1024, top 2; 123M parameters, 48M active),
@@ -62,17 +62,19 @@ class HFMoeSide(HFSide):
         return super().info() | {"experts_implementation": self.hf.model.config._experts_implementation}
 
 
-def measure(path: str, levels: list[int], repeats: int, twin: str | None = None) -> dict[str, Any]:
+def measure(path: str, levels: list[int], repeats: int, twin: str | None = None,
+            engine_args: dict | None = None) -> dict[str, Any]:
     """Each side's timed runs, alternating (``twin``: also pipejax on the dense model of the same active
-    parameters, a third side in the rotation)."""
+    parameters, a third side in the rotation; ``engine_args``: ``LLM`` arguments of both pipejax sides, instead of
+    its defaults)."""
     pj: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
     ref: dict[int, list[float]] = {c: [] for c in levels}
     twin_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
     with contextlib.ExitStack() as stack:
-        sides = {"pj": stack.enter_context(EngineProcess(PipejaxMoeSide, path, levels)),
+        sides = {"pj": stack.enter_context(EngineProcess(PipejaxMoeSide, path, levels, None, engine_args)),
                  "hf": stack.enter_context(EngineProcess(HFMoeSide, path, levels))}
         if twin:
-            sides["twin"] = stack.enter_context(EngineProcess(PipejaxMoeSide, twin, levels))
+            sides["twin"] = stack.enter_context(EngineProcess(PipejaxMoeSide, twin, levels, None, engine_args))
         names = list(sides)
         for r in range(repeats):
             for c in sorted(levels, reverse=True):
@@ -117,6 +119,8 @@ def main() -> None:
     parser.add_argument("--dense-twin", action="store_true",
                         help="also pipejax on the dense model of the same active parameters (its FFN top_k x the "
                              "expert width; made next to the MoE checkpoint): what the MoE's tok/s is bounded by")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the pipejax sides' token budget per step (default: LLM's own)")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from moe_models import MoeSizes, make_checkpoint  # the runner's benchmarks (common put them on the path)
@@ -131,7 +135,8 @@ def main() -> None:
             make_checkpoint(twin, sizes, dense=True)
         result = {"load_start": load_average(), "sizes": vars(sizes), "parameters": sizes.counts(),
                   "workload": {"input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "greedy": True}, "goal": GOAL}
-        result |= measure(str(folder), args.levels, args.repeats, twin and str(twin))
+        engine_args = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else None
+        result |= measure(str(folder), args.levels, args.repeats, twin and str(twin), engine_args)
         result["load_end"] = load_average()
     finally:
         if not args.checkpoint:

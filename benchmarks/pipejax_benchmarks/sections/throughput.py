@@ -209,13 +209,15 @@ class PipejaxSide:
     shape the ``levels`` meet by an untimed run of each, whole (with the defaults' 512-token chunks, a run of 8
     output tokens met fewer mixed prefill + decode shapes than one of 64)."""
 
-    def __init__(self, path: str, levels: list[int], dtype: str | None = None):
+    def __init__(self, path: str, levels: list[int], dtype: str | None = None, engine_args: dict | None = None):
         from pipejax.ray_executor.llm import LLM
 
         start = time.perf_counter()
         # the settings a user gets: LLM(model) with its defaults (the KV cache, batching limits and kernels are
-        # its own choices); only the step trace is kept, for the breakdown
-        self.llm = LLM(path, warmup=False, **({"dtype": dtype} if dtype else {}), step_trace_len=1 << 14)
+        # its own choices) unless ``engine_args`` names some; only the step trace is kept, for the breakdown
+        self.llm = LLM(path, warmup=False, **({"dtype": dtype} if dtype else {}), **(engine_args or {}),
+                       step_trace_len=1 << 14)
+        self.engine_args = engine_args or {}
         self.build_s = time.perf_counter() - start
         self.recorder = BatchRecorder(self.llm)
         self.prompts = prompts(NUM_PROMPTS, INPUT_LEN, self.llm.engine.model_config.vocab_size)
@@ -242,7 +244,8 @@ class PipejaxSide:
     def info(self) -> dict[str, Any]:
         buckets = engine_buckets(self.llm)
         limits, cache = self.llm.engine.config.scheduler, self.llm.engine.executor.kv_cache
-        return {"build_s": self.build_s, "warm_runs_s": self.warm_s, "settings": "LLM(model) defaults",
+        settings = ", ".join(f"{k}={v}" for k, v in self.engine_args.items()) or "defaults"
+        return {"build_s": self.build_s, "warm_runs_s": self.warm_s, "settings": f"LLM(model) {settings}",
                 "max_num_seqs": limits.max_num_seqs, "max_num_batched_tokens": limits.max_num_batched_tokens,
                 "kv_cache": cache.describe(), "kernels": self.llm.engine.executor.collective_rpc("kernel_selection")[0],
                 "smallest_buckets": {"tokens": buckets.tokens[0], "rows": buckets.rows[0]},
