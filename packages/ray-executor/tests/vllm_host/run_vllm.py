@@ -30,7 +30,7 @@ def run_vllm(spec: dict) -> dict:
         pipeline_parallel_size=spec["pp"],
         tensor_parallel_size=spec["tp"],
         distributed_executor_backend=spec["backend"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 256),
         max_num_seqs=16,
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 64),  # long prompts prefill in chunks

@@ -173,15 +173,17 @@ GGUF_TEXTS = ["The capital of France is", "Once upon a time, there was a little"
 def test_vllm_serves_a_gguf_file_kept_quantized(smollm2):
     """``vllm.LLM(model="file.gguf", quantization="gguf")`` (vLLM 0.32 itself reads no GGUF): vLLM's tokenizer,
     chat template and stop tokens come from the file's metadata, the stages keep its Q4_1/Q8_0 blocks, and the
-    greedy tokens are transformers' on the dequantized file."""
+    greedy tokens are transformers' (fp32) on the dequantized file, with vLLM's default dtype."""
     path, tokenizer, model = smollm2
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     got = run_engine({"model": str(path), "pp": 2, "tp": 1, "backend": "mp", "texts": GGUF_TEXTS, "chat": chat,
-                      "max_tokens": MAX_TOKENS, "quantization": "gguf", "max_model_len": 512})
+                      "max_tokens": MAX_TOKENS, "quantization": "gguf", "max_model_len": 512,
+                      "dtype": "auto"})  # vLLM's default: float32 on a CPU host (the platform's supported_dtypes)
     prompts = [tokenizer.encode(t) for t in GGUF_TEXTS]
     assert [t["prompt"] for t in got["texts"]] == prompts  # vLLM's tokenizer is transformers' GGUF tokenizer
     assert [t["output"] for t in got["texts"]] == hf_greedy(model, prompts, MAX_TOKENS)
     assert all(s["quantized"] == ["q4_1", "q8_0"] for s in got["stats"])  # kept as the file holds them
+    assert all(s["dtype"] == "float32" for s in got["stats"])  # dtype="auto" on a CPU host
     assert [s["layers"] for s in got["stats"]] == [[0, 15], [15, 30]]
     rendered = tokenizer.encode(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
                                 add_special_tokens=False)

@@ -67,6 +67,16 @@ class PipejaxPlatform(Platform):
     # quantization= names pipejax's loader takes (``vllm_quantization``); vLLM refuses the others itself
     supported_quantization = ["int8", "int4", "gguf"]
 
+    @property
+    def supported_dtypes(self) -> list:
+        """The dtypes pipejax computes in; the first is what vLLM's dtype="auto" gives a float32 checkpoint: float32
+        on a CPU host (pipejax's CPU kernels run in float32 only; vLLM's default order would give bfloat16), bfloat16
+        on TPU."""
+        from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE  # this layer imports no torch itself
+
+        order = ("bfloat16", "float32") if _pipejax_platform().is_tpu() else ("float32", "bfloat16")
+        return [STR_DTYPE_TO_TORCH_DTYPE[name] for name in order]
+
     @classmethod
     def pre_register_and_update(cls, parser=None) -> None:
         from pipejax.platform_tpu import vllm_gguf, vllm_quantization

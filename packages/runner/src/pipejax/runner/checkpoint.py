@@ -497,11 +497,12 @@ def load_stage_params(
             if (fmt := _format(ckpt, name, reads, cfg.quantization)) is not None:
                 params[name] = _load_quantized(ckpt, name, reads, spec, fmt, mesh, rules, cfg, quantized_panels)
                 continue
-            layout = _panels_for(name, spec, sharding, mesh, rules) if panels else None
+            layout_of = name
             if panels and _tied_head(name, spec, cfg):  # kept as the LM head's panels [V / PANEL, E, PANEL]
-                spec, reads = _as_head(spec, reads)
+                layout_of, spec, reads = "lm_head", *_as_head(spec, reads)
                 sharding = logical_sharding(mesh, spec.logical_axes, rules)
-                layout = _panels_for("lm_head", spec, sharding, mesh, rules)
+            layout = _panels_for(layout_of, spec, sharding, mesh, rules) if panels else None
+            assert layout is not None or layout_of == name, "a tied embedding laid out as the head, not in panels"
             pieces = (p for read in reads for p in _chunks(ckpt, read))
             (params[name],) = _place(name, pieces, [Target(tuple(spec.shape), dtype, sharding, layout)])
             if layout is not None:

@@ -293,6 +293,7 @@ class VllmStageWorker(WorkerBase):
             "devices": [str(d) for d in sw.devices],
             "experts_per_device": 0 if experts is None else experts.addressable_shards[0].data.shape[1],
             # the weights kept quantized, by format (``pipejax.runner.quantized.Quantized``)
+            "dtype": sw.runner.cfg.dtype,
             "quantized": sorted({w.fmt.name for w in getattr(sw.runner, "params", {}).values() if hasattr(w, "fmt")}),
             "num_blocks": sw.runner.num_blocks if sw.runner else 0,
             "activation_bytes_sent": self.stage_worker.activation_bytes_sent(),
