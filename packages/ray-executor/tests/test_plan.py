@@ -12,6 +12,7 @@ from pipejax.pp_utils.balance import balanced_partition
 from pipejax.pp_utils.config import ParallelConfig
 from pipejax.ray_executor import cli, plan
 from pipejax.runner.config import ModelConfig
+from pipejax.runner.part_profile import PartProfile, PartTimes
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
              "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256,
@@ -177,3 +178,42 @@ def test_weights_kept_quantized_are_planned_at_their_kept_size(tmp_path, capsys)
                      "4096", "--quantization", "int4"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("--quantization int4") == 2, printed
+
+
+class _SameParts:
+    """Stands in for ``plan.MeasuredParts``: the same measured parts at every batch size and tp, on 2 cores."""
+
+    cores = 2
+
+    def __init__(self, part: PartTimes):
+        self.part = part
+
+    def __call__(self, tp: int) -> PartProfile:
+        return PartProfile(tp, 576, (self.part,), "test")
+
+
+def test_measured_parts_set_the_split_and_the_stage_times_slowed_by_the_cores_shared():
+    model = ModelConfig.from_hf(SMALL)  # 30 layers
+    ms = 1e-3
+    part = PartTimes(64, layer_s=(1 * ms,) * 30, first_s=0.0, last_s=4 * ms, overhead_s=0.5 * ms, busy_cores=1.5)
+    device = plan.DeviceSpec(memory_bytes=16 * plan.GIB, flops=100e9, bandwidth=20e9, source="test", shared_host=True,
+                             parts=_SameParts(part))
+    hw = Hardware("cpu", chips_per_host=8)
+    alone = plan.predict(model, hw, device, WORK, pp=1, tp=1)
+    assert alone.stage_time_s == pytest.approx((34.5 * ms,))  # 1.5 cores wanted of 2: not slowed
+    # the head and sampler cost 4 layers: 17 / 13 evens the stages; two stages busy at once want 3 cores of 2
+    split = plan.predict(model, hw, device, WORK, pp=2, tp=1)
+    assert split.partition == (17, 13)
+    assert split.stage_time_s == pytest.approx((17.5 * ms * 1.5, 17.5 * ms * 1.5))
+    assert split.tpot_s == pytest.approx(2 * 17.5 * ms * 1.5)
+    # the modelled costs (the head ~8 layers) would split otherwise: the measured ones decide
+    assert balanced_partition(model.part_costs(), 2) == (19, 11)
+    two_engines = plan.predict(model, hw, device, WORK, pp=1, tp=1, dp=2)
+    assert two_engines.stage_time_s == pytest.approx((34.5 * ms * 1.5,))
+    on_two_hosts = plan.predict(model, Hardware("cpu", num_hosts=2, chips_per_host=4), device, WORK, pp=1, tp=1, dp=2)
+    assert on_two_hosts.stage_time_s == pytest.approx((34.5 * ms,))
+
+
+def test_measure_is_refused_for_a_tpu_plan(capsys):
+    assert cli.main(["plan", "--tpu", "v5e", "--measure"]) == 2
+    assert "--measure times the model's parts on this host's CPU devices" in capsys.readouterr().err

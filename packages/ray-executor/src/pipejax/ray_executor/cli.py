@@ -160,20 +160,36 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="requests served at once, all engines together")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--measure", action="store_true",
+                   help="on this host's CPU devices: time the model's own parts here (a layer of each kind, the "
+                        "embedding, the head and sampler, at the workload's batch sizes; ~30 s per tp) and predict "
+                        "the decode steps and the split from them instead of from FLOPs and bytes")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every layout and the commands here")
+
+
+TPU_NOT_MEASURED = ("--measure times the model's parts on this host's CPU devices; a TPU plan is modelled from its "
+                    "published figures: drop --measure, or plan for this host")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from pipejax.platform_tpu.hardware import Hardware, generation, parse_host_device_count
+    from pipejax.platform_tpu.hardware import Hardware, generation, parse_host_device_count, with_host_device_count
     from pipejax.ray_executor import plan
     from pipejax.ray_executor.engine_args import resolve_model
     from pipejax.runner.config import ModelConfig
 
     if args.hosts < 1:
         raise ValueError(f"--hosts {args.hosts}: a plan needs at least one host")
+    if args.measure and args.tpu:
+        raise ValueError(TPU_NOT_MEASURED)
+    if args.measure and not args.ray_address:  # the devices to time tp over, before JAX starts
+        import os
+
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if parse_host_device_count(os.environ.get("XLA_FLAGS", "")) is None:
+            os.environ["XLA_FLAGS"] = with_host_device_count(os.environ.get("XLA_FLAGS", ""), args.chips_per_host or 8)
     model_path = resolve_model(args.model)
     model = ModelConfig.from_pretrained(model_path, dtype=args.dtype, quantization=args.quantization)
     work = plan.Workload(max_model_len=args.max_model_len or args.prompt_len + args.output_len,
@@ -201,6 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         devices = args.chips_per_host or parse_host_device_count(os.environ.get("XLA_FLAGS", "")) or 8
         hw = Hardware("cpu", num_hosts=args.hosts, chips_per_host=devices)
         device = None
+    if args.measure and hw.platform != "cpu":
+        raise ValueError(TPU_NOT_MEASURED)
     given = {"memory_bytes": args.device_memory_gib and args.device_memory_gib * plan.GIB,
              "flops": args.device_tflops and args.device_tflops * 1e12,
              "bandwidth": args.device_bandwidth_gbs and args.device_bandwidth_gbs * 1e9}
@@ -212,10 +230,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if any(given.values()) and device.source != "given":
         device = dataclasses.replace(device, **{k: v for k, v in given.items() if v},
                                      source=f"{device.source}; given: {', '.join(k for k, v in given.items() if v)}")
+    how = "modelled from FLOPs and bytes, not measured"
+    if args.measure:
+        parts = plan.MeasuredParts(model_path, model, work.concurrency, work.prompt_len + work.output_len // 2)
+        device = dataclasses.replace(device, parts=parts)
+        how = (f"decode steps from the model's parts measured on this host at {', '.join(map(str, parts.rows))} "
+               f"rows; prefill modelled")
     found = plan.plan(model, hw, device, work)
     print(f"{len(found)} layouts of {model.num_layers} layers on {hw.describe()}\ndevices: {device.source}\n"
           f"workload: {work.concurrency} requests at once, {work.prompt_len} tokens in, {work.output_len} out "
-          f"(modelled from FLOPs and bytes, not measured)\n")
+          f"({how})\n")
     print(plan.table(found, args.top))
     best = plan.commands(found[0], args.model, model_path, work, args.quantization)
     print(f"\nbest: pp={found[0].pp} tp={found[0].tp} dp={found[0].dp}\n  {best['pipejax']}\n  {best['vllm']}")

@@ -13,6 +13,12 @@ Where the devices come from: a TPU generation's published per-chip figures (``Tp
 CPU's simulated devices, this host measured (a resident matmul and a resident read), shared by the devices
 a layout uses on it. Either can be overridden (``--device-memory-gib``, ``--device-tflops``,
 ``--device-bandwidth-gbs``) to plan for hosts not at hand.
+
+Measured instead of modelled (``--measure``, this host's CPU devices): the model's own parts timed here
+(``MeasuredParts``: a layer of each kind, the embedding, the head and sampler, a stage's fixed cost, at the batch
+sizes the layouts run, ``runner.part_profile``) give each stage's step time and the split; stages that share the
+host's cores slow each other by the cores they want together (the cores a step keeps busy, measured) over the
+cores there are. The prefill (TTFT) stays modelled.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class DeviceSpec:
     source: str
     shared_host: bool = False
     step_overhead_s: float = TPU_STEP_OVERHEAD_S
+    parts: MeasuredParts | None = None  # the model's parts measured on these devices: stage times from them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +114,25 @@ def tpu_device(hw: Hardware) -> DeviceSpec:
                       bandwidth=gen.hbm_gb_s * 1e9 / cores,
                       source=f"TPU {gen.name}, published per-chip figures ({gen.hbm_gb:g} GB HBM, "
                              f"{gen.bf16_tflops:g} bf16 TFLOP/s, {gen.hbm_gb_s:g} GB/s)")
+
+
+class MeasuredParts:
+    """The model's parts timed on this host's devices (``runner.part_profile.profile_parts``), once per tp, at
+    the batch sizes a workload of ``concurrency`` requests runs (1, a quarter, a half and all of them), each
+    request with ``context`` tokens cached; ``cores``: the host's."""
+
+    def __init__(self, path: str, model: ModelConfig, concurrency: int, context: int, repeats: int = 7):
+        self.path, self.model, self.context, self.repeats = path, model, context, repeats
+        self.rows = sorted({1, max(1, concurrency // 4), max(1, concurrency // 2), concurrency})
+        self.cores = len(os.sched_getaffinity(0))
+        self._by_tp: dict = {}
+
+    def __call__(self, tp: int):
+        if tp not in self._by_tp:
+            from pipejax.runner.part_profile import profile_parts
+
+            self._by_tp[tp] = profile_parts(self.path, self.model, tp, self.rows, self.context, self.repeats)
+        return self._by_tp[tp]
 
 
 def measure_cpu_host(seconds: float = 0.3) -> DeviceSpec:
@@ -240,8 +266,27 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
     batch = math.ceil(rows / in_flight)
     mean_context = work.prompt_len + work.output_len / 2
     flops, bandwidth = device.flops * tp * share, device.bandwidth * tp * share
-    times = tuple(_stage_step(costs, model, bounds[r], bounds[r + 1], pp, r, tp, batch, mean_context, flops,
-                              bandwidth, device.step_overhead_s) for r in range(pp))
+    if device.parts is not None:  # measured: split by the parts' times at this batch, then size the KV again
+        part = device.parts(tp).at(batch)
+        measured = dataclasses.replace(costs, layer_time=part.layer_s, first_time=part.first_s,
+                                       last_time=part.last_s)
+        partition = balanced_partition(measured, pp, max(limit, 0.0))
+        bounds = [sum(partition[:r]) for r in range(pp + 1)]
+        weights = tuple(costs.stage_bytes(bounds[r], bounds[r + 1], pp, r) for r in range(pp))
+        kv_blocks = int(min((stage_memory - weights[r]) / (kv_token_layer * partition[r]) for r in range(pp))
+                        // BLOCK_SIZE)
+        rows = min(rows, kv_blocks // blocks_per_request)
+        if rows < 1:
+            raise ValueError(f"no room for one request's KV ({context} tokens) beside the weights")
+        in_flight = min(pp, rows)
+        part = device.parts(tp).at(math.ceil(rows / in_flight))
+        # stages busy at once on a host want their step's cores each; beyond the host's cores they slow each other
+        together = math.ceil(min(in_flight, pp) * dp / hw.num_hosts)
+        slowdown = max(1.0, together * part.busy_cores / device.parts.cores) if device.shared_host else 1.0
+        times = tuple(part.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown for r in range(pp))
+    else:
+        times = tuple(_stage_step(costs, model, bounds[r], bounds[r + 1], pp, r, tp, batch, mean_context, flops,
+                                  bandwidth, device.step_overhead_s) for r in range(pp))
     rnd = max(in_flight * max(times), sum(times))  # k batches' steps, or one batch's trip through every stage
     bubble = 1 - in_flight * sum(times) / (pp * rnd)
     prefill = sum(max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * work.prompt_len / flops,
