@@ -1,6 +1,7 @@
 """`pipejax plan`'s predictions held against the engine on this host: each layout's decode-step time per stage and
-its output tok/s, predicted from FLOPs and bytes (modelled) and from the model's parts measured here (``--measure``:
-``plan.MeasuredParts``), beside the engine's own.
+its output tok/s, predicted from FLOPs and bytes (``modelled``) and from the model's parts measured here (``--measure``:
+``plan.MeasuredParts``; ``from_parts``), beside the engine's own (``engine``). Predicted throughput counts decode
+steps only; the engine's includes the prefill and the driver's turnaround.
 
 The parent measures this host (``plan.measure_cpu_host``) and, with ``--measure``, the model's parts, before any
 engine runs. Then each layout runs in a fresh process, in the order given, ``--rounds`` times alternating:
@@ -96,11 +97,12 @@ def main() -> int:
                          prompt_len=args.input_len, output_len=args.output_len)
     modelled = plan.measure_cpu_host()
     print(f"host: {modelled.source}")
-    ways = {"modelled": modelled}
+    ways = {"modelled": modelled}  # predicted from FLOPs and bytes; "from_parts": from the parts measured here
     if args.measure:
         started = time.perf_counter()
-        parts = plan.MeasuredParts(path, model, work.concurrency, work.prompt_len + work.output_len // 2)
-        ways["measured"] = dataclasses.replace(modelled, parts=parts)
+        parts = plan.MeasuredParts(path, model, work.concurrency, work.prompt_len + work.output_len // 2,
+                                   prompt_len=work.prompt_len)
+        ways["from_parts"] = dataclasses.replace(modelled, parts=parts)
         for tp in sorted({int(lay.split("x")[1]) for lay in args.layouts}):
             parts(tp)
         print(f"parts measured in {time.perf_counter() - started:.1f} s at rows {parts.rows}")
@@ -109,7 +111,7 @@ def main() -> int:
     for layout in args.layouts:
         pp, tp = map(int, layout.split("x"))
         predicted[layout] = {way: plan.predict(model, hw, dev, work, pp, tp) for way, dev in ways.items()}
-    split_by = "measured" if args.measure else "modelled"
+    split_by = "from_parts" if args.measure else "modelled"
     runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
     for _ in range(args.rounds):
         for layout in args.layouts:
@@ -132,18 +134,18 @@ def main() -> int:
         tok_s = statistics.median(run["tok_s"] for run in runs[layout])
         split = predicted[layout][split_by].partition
         for r, g in [*enumerate(got), ("sum", sum(got))]:
-            row = {"layout": layout, "stage": r, "split": split, "measured_ms": g}
+            row = {"layout": layout, "stage": r, "split": split, "engine_ms": g}
             for way, pred in predicted[layout].items():
                 want = (sum(pred.stage_time_s) if r == "sum" else pred.stage_time_s[r]) * 1e3
                 row[f"{way}_ms"], row[f"{way}_ratio"] = want, g / want
             rows.append(row)
-            print(f"{layout} stage {r} (split {','.join(map(str, split))}): measured {g:.1f} ms; " + "; ".join(
-                f"{way} {row[f'{way}_ms']:.1f} ms (measured/{way} {row[f'{way}_ratio']:.2f})" for way in ways))
-        tput = {"layout": layout, "stage": "tok/s", "measured": tok_s, "split": split}
+            print(f"{layout} stage {r} (split {','.join(map(str, split))}): engine {g:.1f} ms; " + "; ".join(
+                f"{way} {row[f'{way}_ms']:.1f} ms (engine/{way} {row[f'{way}_ratio']:.2f})" for way in ways))
+        tput = {"layout": layout, "stage": "tok/s", "engine_tok_s": tok_s, "split": split}
         for way, pred in predicted[layout].items():
-            tput[way] = pred.throughput
+            tput[f"{way}_tok_s"] = pred.throughput
         rows.append(tput)
-        print(f"{layout}: {tok_s:.1f} output tok/s measured; " + "; ".join(
+        print(f"{layout}: engine {tok_s:.1f} output tok/s; predicted " + "; ".join(
             f"{way} {pred.throughput:.1f}" for way, pred in predicted[layout].items()))
     if args.json:
         with open(args.json, "w") as f:

@@ -4,9 +4,10 @@ each layout serves on this host.
 The plan is `pipejax plan --json` as a user runs it (with ``--measure``: from the model's parts timed here). Then
 every layout it lists is served in turn by `pipejax serve` with the plan's own command (its split, backend, max
 model length and rows; the KV cache sized by the engine's default rule, not the plan's ``--num-kv-blocks``, which
-fills the host's RAM for one layout), warmed up by one small request wave (so no shape compiles in the timed
-one), then loaded with ``--num-prompts`` requests of ``--input-len`` random tokens in and ``--output-len`` out, at
-most ``--concurrency`` at once (`pipejax bench serve`); its output tok/s is the measurement. Each server is a fresh
+fills the host's RAM for one layout), then loaded twice with the same ``--num-prompts`` requests of
+``--input-len`` random tokens in and ``--output-len`` out, at most ``--concurrency`` at once (`pipejax bench
+serve`; by default one wave, as the plan predicts): the first run compiles the shapes the load meets, the second
+is timed, and its output tok/s is the measurement. Each server is a fresh
 process group, stopped (SIGINT, then SIGKILL by its group id) before the next starts.
 
     python benchmarks/plan_layouts.py --devices 6 --measure --json OUT
@@ -60,7 +61,7 @@ def serve_and_measure(command: list[str], args: argparse.Namespace, port: int, w
                 raise RuntimeError(f"{' '.join(command)}: not healthy (exit {proc.returncode}); see {log_path}")
             time.sleep(1)
         started = time.monotonic() - start
-        bench(port, args, args.concurrency, os.path.join(workdir, "warm.json"))  # every shape the load uses
+        bench(port, args, args.num_prompts, os.path.join(workdir, "warm.json"))  # the same load: its shapes compile
         figures = bench(port, args, args.num_prompts, os.path.join(workdir, "timed.json"))
         return {"start_s": round(started, 1), "figures": figures}
     finally:
@@ -85,7 +86,7 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=6, help="simulated devices on this host")
     ap.add_argument("--measure", action="store_true", help="plan from the model's parts measured here")
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=64, help="one wave at --concurrency, as the plan predicts")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--port", type=int, default=18700)

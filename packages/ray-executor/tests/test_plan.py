@@ -120,6 +120,11 @@ def test_the_readmes_commands_plan_the_default_model_on_v6e_and_this_cpu_measure
     host = plan.measure_cpu_host(seconds=0.05)
     assert host.shared_host and host.flops > 1e9 and host.bandwidth > 1e8 and host.memory_bytes > plan.GIB
     assert "measured" in host.source
+    # README: `pipejax plan --chips-per-host 6 --measure` (SmolLM2's parts timed here, at tp 1 and 3)
+    assert cli.main(["plan", "--chips-per-host", "6", "--measure"]) == 0
+    printed = capsys.readouterr().out
+    assert "decode steps from the model's parts measured on this host at 1, 16, 32, 64 rows" in printed
+    assert " 3 " in printed.split("best:")[0] and "\nbest: pp=" in printed  # tp=3 layouts, measured too
 
 
 def test_hosts_are_read_from_ray_nodes_tpu_first_then_declared_devices():
@@ -185,11 +190,11 @@ class _SameParts:
 
     cores = 2
 
-    def __init__(self, part: PartTimes):
-        self.part = part
+    def __init__(self, part: PartTimes, prefill: PartTimes | None = None):
+        self.part, self.prefill = part, prefill
 
     def __call__(self, tp: int) -> PartProfile:
-        return PartProfile(tp, 576, (self.part,), "test")
+        return PartProfile(tp, 576, (self.part,), "test", prefill=self.prefill)
 
 
 def test_measured_parts_set_the_split_and_the_stage_times_slowed_by_the_cores_shared():
@@ -217,3 +222,25 @@ def test_measured_parts_set_the_split_and_the_stage_times_slowed_by_the_cores_sh
 def test_measure_is_refused_for_a_tpu_plan(capsys):
     assert cli.main(["plan", "--tpu", "v5e", "--measure"]) == 2
     assert "--measure times the model's parts on this host's CPU devices" in capsys.readouterr().err
+
+
+def test_a_measured_prefill_step_sets_the_time_to_first_token_and_the_waves_throughput():
+    model = ModelConfig.from_hf(SMALL)
+    ms = 1e-3
+    decode = PartTimes(64, layer_s=(1 * ms,) * 30, first_s=0.0, last_s=4 * ms, overhead_s=0.5 * ms, busy_cores=1.0)
+    prefill = PartTimes(512, layer_s=(2 * ms,) * 30, first_s=0.0, last_s=1 * ms, overhead_s=1 * ms, busy_cores=1.0)
+    device = plan.DeviceSpec(memory_bytes=16 * plan.GIB, flops=100e9, bandwidth=20e9, source="test", shared_host=True,
+                             parts=_SameParts(decode, prefill))
+    p = plan.predict(model, Hardware("cpu", chips_per_host=8), device, WORK, pp=1, tp=1)
+    per_token = 62 * ms / 512  # the 512-token step's stage, taken as linear in tokens
+    assert p.ttft_s == pytest.approx(per_token * WORK.prompt_len)
+    assert p.rows == 64 and p.tpot_s == pytest.approx(34.5 * ms)
+    wave = 64 * WORK.prompt_len * per_token + WORK.output_len * p.tpot_s  # 64 prompts prefilled, then decoded
+    assert p.throughput == pytest.approx(64 * WORK.output_len / wave)
+    # two stages: the prompts' chunks in flight overlap as decode steps do, the slower stage setting the pace
+    two = plan.predict(model, Hardware("cpu", chips_per_host=8), device, WORK, pp=2, tp=1)
+    first, second = two.partition
+    stage_tokens = [(1 + 2 * first) * ms / 512, (1 + 2 * second + 1) * ms / 512]
+    chunks = 64 * WORK.prompt_len // 512
+    prefill_wave = chunks / 2 * max(2 * max(stage_tokens), sum(stage_tokens)) * 512
+    assert two.throughput == pytest.approx(64 * WORK.output_len / (prefill_wave + WORK.output_len * two.tpot_s))

@@ -7,7 +7,8 @@ device's bandwidth, plus two all-reduces per layer where tp > 1 and a fixed cost
 activation's hop). Layers are split by ``balanced_partition`` over the model's modelled part costs
 (``ModelConfig.part_costs``), within each stage's memory. With ``k`` batches in flight (at most pp, at most the
 rows an engine runs) a round of k steps takes ``max(k x slowest stage, one batch's trip through every stage)``;
-the stages are busy for ``k x sum(stage times) / pp`` of it, and the rest is the bubble.
+the stages are busy for ``k x sum(stage times) / pp`` of it, and the rest is the bubble. Throughput is output
+tokens over a wave of requests: each engine's rows' prompts prefilled, then their outputs decoded.
 
 Where the devices come from: a TPU generation's published per-chip figures (``TpuGeneration``), or, for the
 CPU's simulated devices, this host measured (a resident matmul and a resident read), shared by the devices
@@ -121,8 +122,9 @@ class MeasuredParts:
     the batch sizes a workload of ``concurrency`` requests runs (1, a quarter, a half and all of them), each
     request with ``context`` tokens cached; ``cores``: the host's."""
 
-    def __init__(self, path: str, model: ModelConfig, concurrency: int, context: int, repeats: int = 7):
-        self.path, self.model, self.context, self.repeats = path, model, context, repeats
+    def __init__(self, path: str, model: ModelConfig, concurrency: int, context: int, prompt_len: int | None = None,
+                 repeats: int = 15):
+        self.path, self.model, self.context, self.prompt_len, self.repeats = path, model, context, prompt_len, repeats
         self.rows = sorted({1, max(1, concurrency // 4), max(1, concurrency // 2), concurrency})
         self.cores = len(os.sched_getaffinity(0))
         self._by_tp: dict = {}
@@ -131,7 +133,8 @@ class MeasuredParts:
         if tp not in self._by_tp:
             from pipejax.runner.part_profile import profile_parts
 
-            self._by_tp[tp] = profile_parts(self.path, self.model, tp, self.rows, self.context, self.repeats)
+            self._by_tp[tp] = profile_parts(self.path, self.model, tp, self.rows, self.context, self.repeats,
+                                            prompt_len=self.prompt_len)
         return self._by_tp[tp]
 
 
@@ -284,17 +287,33 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
         together = math.ceil(min(in_flight, pp) * dp / hw.num_hosts)
         slowdown = max(1.0, together * part.busy_cores / device.parts.cores) if device.shared_host else 1.0
         times = tuple(part.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown for r in range(pp))
+        measured_prefill = device.parts(tp).prefill
     else:
         times = tuple(_stage_step(costs, model, bounds[r], bounds[r + 1], pp, r, tp, batch, mean_context, flops,
                                   bandwidth, device.step_overhead_s) for r in range(pp))
+        measured_prefill = None
     rnd = max(in_flight * max(times), sum(times))  # k batches' steps, or one batch's trip through every stage
     bubble = 1 - in_flight * sum(times) / (pp * rnd)
-    prefill = sum(max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * work.prompt_len / flops,
-                      (weights[r] - (costs.first_bytes if r == 0 else 0.0)) / bandwidth) + device.step_overhead_s
-                  for r in range(pp))
+    # a wave of requests: every engine's prompts prefilled, then their outputs decoded
+    served = min(work.concurrency, dp * rows)
+    prompt_tokens = math.ceil(served / dp) * work.prompt_len  # one engine's
+    if measured_prefill is not None:  # a step of ``rows`` tokens, measured; per token, chunks in flight as above
+        chunk = measured_prefill.rows
+        per_token = [measured_prefill.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown / chunk for r in range(pp)]
+        steps = math.ceil(prompt_tokens / chunk)
+        k = min(pp, steps)
+        prefill_wave = math.ceil(steps / k) * max(k * max(per_token), sum(per_token)) * chunk
+        ttft = sum(per_token) * work.prompt_len
+    else:
+        def prefill_s(tokens: int) -> float:
+            return sum(max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * tokens / flops,
+                           (weights[r] - (costs.first_bytes if r == 0 else 0.0)) / bandwidth)
+                       + device.step_overhead_s for r in range(pp))
+
+        prefill_wave, ttft = prefill_s(prompt_tokens), prefill_s(work.prompt_len)
+    wave = prefill_wave + work.output_len * rnd
     return LayoutPrediction(pp, tp, dp, partition, times, weights, kv_blocks, rows, in_flight, bubble,
-                            throughput=min(work.concurrency, dp * rows) / rnd, tpot_s=rnd, ttft_s=prefill,
-                            backend=backend)
+                            throughput=served * work.output_len / wave, tpot_s=rnd, ttft_s=ttft, backend=backend)
 
 
 def _host_share(hw: Hardware, device: DeviceSpec, pp: int, tp: int, dp: int) -> float:

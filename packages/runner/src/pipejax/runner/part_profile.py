@@ -10,10 +10,12 @@ Stages holding one or two of the model's decoder layers (the real checkpoint's, 
   beyond the middle one is the embedding;
 - the last stage with one layer: beyond the middle one, the final norm, the LM head and the sampler.
 
-A step is timed as the worker runs it: its inputs put on the devices, the jitted forward until its output exists,
-and on the last stage the sampled tokens on the host. Each figure is the median of ``repeats`` steps after one
-untimed. The cores a step keeps busy (process CPU time over wall time) are kept too: stages that share a host's
-cores slow each other once together they want more than it has.
+The same stages also time one prefill step of ``prefill_tokens`` (whole prompts of ``prompt_len`` tokens, as many
+as fit; the engine's default step budget), split into parts the same way. A step is timed as the worker runs it:
+its inputs put on the devices, the jitted forward until its output exists, and on the last stage the sampled
+tokens on the host. Each figure is the median of ``repeats`` steps after one untimed. The cores a step keeps
+busy (process CPU time over wall time) are kept too: stages that share a host's cores slow each other once
+together they want more than it has.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class PartProfile:
     context: int
     measured: tuple[PartTimes, ...]  # by rows, ascending
     source: str
+    prefill: PartTimes | None = None  # one prefill step; its ``rows`` are the step's tokens
 
     def at(self, rows: int) -> PartTimes:
         pts = self.measured
@@ -87,9 +90,11 @@ def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
 
 
 def profile_parts(path: str | Path, model: ModelConfig, tp: int, rows: Sequence[int], context: int,
-                  repeats: int = 7, devices: Sequence[jax.Device] | None = None, **runner_options) -> PartProfile:
+                  repeats: int = 7, devices: Sequence[jax.Device] | None = None, prompt_len: int | None = None,
+                  prefill_tokens: int = SchedulerConfig.max_num_batched_tokens, **runner_options) -> PartProfile:
     """The parts of ``model`` (checkpoint at ``path``) timed on ``tp`` of ``devices`` (default: this process's
-    JAX devices) at each of ``rows`` requests of ``context`` cached tokens. ``runner_options``: ``StageRunner``'s
+    JAX devices) at each of ``rows`` requests of ``context`` cached tokens; with ``prompt_len``, also a prefill
+    step of whole prompts of that length (``prefill_tokens`` at most). ``runner_options``: ``StageRunner``'s
     kernel choices (default: as the engine chooses them here)."""
     from pipejax.runner.runner import StageRunner
 
@@ -102,10 +107,11 @@ def profile_parts(path: str | Path, model: ModelConfig, tp: int, rows: Sequence[
                          f"--xla_force_host_platform_device_count={tp} (CPU) before JAX starts")
     rows = sorted(set(rows))
     mesh = stage_mesh(devices[:tp])
-    per_request = math.ceil((context + 1) / BLOCK_SIZE)
-    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + max(rows) * per_request)
-    limits = SchedulerConfig(max_model_len=per_request * BLOCK_SIZE, max_num_seqs=max(rows),
-                             max_num_batched_tokens=max(max(rows), BLOCK_SIZE))
+    prompts = max(1, prefill_tokens // prompt_len) if prompt_len else 0
+    per_request = math.ceil((max(context, prompt_len or 0) + 1) / BLOCK_SIZE)
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=1 + max(*rows, prompts) * per_request)
+    limits = SchedulerConfig(max_model_len=per_request * BLOCK_SIZE, max_num_seqs=max(*rows, prompts),
+                             max_num_batched_tokens=max(max(rows), BLOCK_SIZE, prompts * (prompt_len or 0)))
     kinds = layer_kinds(model)
 
     def stage(first: int, count: int) -> StageConfig:  # the stage holding layers first .. first + count - 1
@@ -117,15 +123,24 @@ def profile_parts(path: str | Path, model: ModelConfig, tp: int, rows: Sequence[
     stages = {"first1": stage(0, 1), "first2": stage(0, 2), "last1": stage(n - 1, 1)}
     stages.update({f"middle-{k}": stage(i, 1) for k, i in middle.items() if i is not None})
     times: dict[str, dict[int, tuple[float, float]]] = {}
+    prefill_times: dict[str, tuple[float, float]] = {}
     for name, config in stages.items():
         runner = StageRunner(path, mesh, config, cache, model, scheduler=limits, **runner_options)
-        times[name] = {r: _time_steps(runner, r, context, per_request, repeats) for r in rows}
+        times[name] = {r: _time_steps(runner, _decode_requests(r, context, per_request), repeats) for r in rows}
+        if prompts:
+            prefill_times[name] = _time_steps(runner, _prefill_requests(prompts, prompt_len, per_request), repeats)
+        # every stage runs what the first one chose here ("auto" measures at each start, and may differ)
+        chosen = runner.selection
+        runner_options = {"dense_matmuls": chosen.dense_matmuls, "decode_attention": chosen.decode_attention,
+                          "prefill_attention": chosen.prefill_attention, "decode_layers": chosen.decode_layers,
+                          "few_row_dots": runner.few_row_dots or "auto", **runner_options}
         del runner
     measured = tuple(_parts_at(r, {k: v[r] for k, v in times.items()}, kinds, middle, model) for r in rows)
+    prefill = _parts_at(prompts * prompt_len, prefill_times, kinds, middle, model) if prompts else None
     cpu = f"{os.cpu_count()} CPUs" if devices[0].platform == "cpu" else devices[0].device_kind
     return PartProfile(tp, context, measured,
                        source=f"this host's {devices[0].platform} devices, measured ({cpu}; tp={tp}, {context} "
-                              f"tokens cached, rows {', '.join(map(str, rows))})")
+                              f"tokens cached, rows {', '.join(map(str, rows))})", prefill=prefill)
 
 
 def _parts_at(rows: int, t: dict[str, tuple[float, float]], kinds: tuple[str, ...], middle: dict[str, int | None],
@@ -147,12 +162,22 @@ def _parts_at(rows: int, t: dict[str, tuple[float, float]], kinds: tuple[str, ..
                      busy_cores=statistics.median(v[1] for v in t.values()))
 
 
-def _time_steps(runner, rows: int, context: int, per_request: int, repeats: int) -> tuple[float, float]:
-    """(median seconds, mean cores busy) of ``repeats`` decode steps of ``rows`` requests (after one untimed)."""
+def _decode_requests(rows: int, context: int, per_request: int) -> tuple[ScheduledRequest, ...]:
     sampling = SamplingParams(temperature=1.0)
-    reqs = tuple(ScheduledRequest(f"r{i}", (7 + i,), context,
+    return tuple(ScheduledRequest(f"r{i}", (7 + i,), context,
                                   tuple(range(1 + i * per_request, 1 + (i + 1) * per_request)), sampling)
                  for i in range(rows))
+
+
+def _prefill_requests(prompts: int, prompt_len: int, per_request: int) -> tuple[ScheduledRequest, ...]:
+    sampling = SamplingParams(temperature=1.0)
+    return tuple(ScheduledRequest(f"p{i}", tuple((7 * i + j) % 200 + 3 for j in range(prompt_len)), 0,
+                                  tuple(range(1 + i * per_request, 1 + (i + 1) * per_request)), sampling)
+                 for i in range(prompts))
+
+
+def _time_steps(runner, reqs: tuple[ScheduledRequest, ...], repeats: int) -> tuple[float, float]:
+    """(median seconds, mean cores busy) of ``repeats`` steps of ``reqs`` (after one untimed)."""
     rng = np.random.default_rng(0)
     seconds, wall, cpu = [], 0.0, 0.0
     for k in range(repeats + 1):
