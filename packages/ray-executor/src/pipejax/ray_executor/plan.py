@@ -47,6 +47,7 @@ CPU_STEP_OVERHEAD_S = 2e-3
 MAX_HOSTS_TRIED = 4096  # when nothing fits: the smallest number of such hosts that would
 USABLE_MEMORY = 0.9  # of a stage's memory, for weights and KV together (the rest: XLA's workspace, activations)
 BLOCK_SIZE = 16
+PREFILL_CHUNK_TOKENS = 512  # a prefill step's tokens: the engine's default step budget (max_num_batched_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,23 +295,25 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
         measured_prefill = None
     rnd = max(in_flight * max(times), sum(times))  # k batches' steps, or one batch's trip through every stage
     bubble = 1 - in_flight * sum(times) / (pp * rnd)
-    # a wave of requests: every engine's prompts prefilled, then their outputs decoded
+    # a wave of requests: every engine's prompts prefilled in steps of ``chunk`` tokens, k of them in flight over the
+    # stages as decode steps are, then their outputs decoded
     served = min(work.concurrency, dp * rows)
     prompt_tokens = math.ceil(served / dp) * work.prompt_len  # one engine's
-    if measured_prefill is not None:  # a step of ``rows`` tokens, measured; per token, chunks in flight as above
+    if measured_prefill is not None:  # a step of ``rows`` tokens, measured; taken as linear in tokens
         chunk = measured_prefill.rows
-        per_token = [measured_prefill.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown / chunk for r in range(pp)]
-        steps = math.ceil(prompt_tokens / chunk)
-        k = min(pp, steps)
-        prefill_wave = math.ceil(steps / k) * max(k * max(per_token), sum(per_token)) * chunk
-        ttft = sum(per_token) * work.prompt_len
+        chunk_times = [measured_prefill.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown for r in range(pp)]
+        ttft = sum(chunk_times) / chunk * work.prompt_len
     else:
-        def prefill_s(tokens: int) -> float:
-            return sum(max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * tokens / flops,
-                           (weights[r] - (costs.first_bytes if r == 0 else 0.0)) / bandwidth)
-                       + device.step_overhead_s for r in range(pp))
+        def prefill_s(tokens: int, r: int) -> float:
+            return max(2 * _stage_params(costs, bounds[r], bounds[r + 1], pp, r) * tokens / flops,
+                       (weights[r] - (costs.first_bytes if r == 0 else 0.0)) / bandwidth) + device.step_overhead_s
 
-        prefill_wave, ttft = prefill_s(prompt_tokens), prefill_s(work.prompt_len)
+        chunk = PREFILL_CHUNK_TOKENS
+        chunk_times = [prefill_s(chunk, r) for r in range(pp)]
+        ttft = sum(prefill_s(work.prompt_len, r) for r in range(pp))
+    steps = math.ceil(prompt_tokens / chunk)
+    k = min(pp, steps)
+    prefill_wave = steps / k * max(k * max(chunk_times), sum(chunk_times))
     wave = prefill_wave + work.output_len * rnd
     return LayoutPrediction(pp, tp, dp, partition, times, weights, kv_blocks, rows, in_flight, bubble,
                             throughput=served * work.output_len / wave, tpot_s=rnd, ttft_s=ttft, backend=backend)
