@@ -184,7 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--hosts {args.hosts}: a plan needs at least one host")
     if args.measure and args.tpu:
         raise ValueError(TPU_NOT_MEASURED)
-    if args.measure and not args.ray_address:  # the devices to time tp over, before JAX starts
+    if args.measure:  # this host's devices to time tp over, set before JAX starts
         import os
 
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -17,9 +17,9 @@ a layout uses on it. Either can be overridden (``--device-memory-gib``, ``--devi
 
 Measured instead of modelled (``--measure``, this host's CPU devices): the model's own parts timed here
 (``MeasuredParts``: a layer of each kind, the embedding, the head and sampler, a stage's fixed cost, at the batch
-sizes the layouts run, ``runner.part_profile``) give each stage's step time and the split; stages that share the
-host's cores slow each other by the cores they want together (the cores a step keeps busy, measured) over the
-cores there are. The prefill (TTFT) stays modelled.
+sizes the layouts run, and in a prefill step; ``runner.part_profile``) give each stage's step times and the split;
+stages that share the host's cores slow each other by the cores they want together (the cores a step keeps busy,
+measured) over the cores there are.
 """
 
 from __future__ import annotations
