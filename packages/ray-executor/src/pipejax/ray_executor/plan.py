@@ -284,9 +284,7 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
             raise ValueError(f"no room for one request's KV ({context} tokens) beside the weights")
         in_flight = min(pp, rows)
         part = device.parts(tp).at(math.ceil(rows / in_flight))
-        # stages busy at once on a host want their step's cores each; beyond the host's cores they slow each other
-        together = math.ceil(min(in_flight, pp) * dp / hw.num_hosts)
-        slowdown = max(1.0, together * part.busy_cores / device.parts.cores) if device.shared_host else 1.0
+        slowdown = _shared_cores_slowdown(hw, device, part.busy_cores, min(in_flight, pp) * dp)
         times = tuple(part.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown for r in range(pp))
         measured_prefill = device.parts(tp).prefill
     else:
@@ -311,12 +309,26 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
         chunk = PREFILL_CHUNK_TOKENS
         chunk_times = [prefill_s(chunk, r) for r in range(pp)]
         ttft = sum(prefill_s(work.prompt_len, r) for r in range(pp))
-    steps = math.ceil(prompt_tokens / chunk)
-    k = min(pp, steps)
-    prefill_wave = steps / k * max(k * max(chunk_times), sum(chunk_times))
-    wave = prefill_wave + work.output_len * rnd
+    wave = _prefill_wave(chunk_times, chunk, prompt_tokens) + work.output_len * rnd
     return LayoutPrediction(pp, tp, dp, partition, times, weights, kv_blocks, rows, in_flight, bubble,
                             throughput=served * work.output_len / wave, tpot_s=rnd, ttft_s=ttft, backend=backend)
+
+
+def _shared_cores_slowdown(hw: Hardware, device: DeviceSpec, busy_cores: float, busy_stages: int) -> float:
+    """How much slower a measured stage step runs when ``busy_stages`` stages (over every engine) step at once,
+    spread over the hosts: each wants the cores its step kept busy when measured alone, and beyond a shared host's
+    cores they slow each other."""
+    if not device.shared_host:
+        return 1.0
+    return max(1.0, math.ceil(busy_stages / hw.num_hosts) * busy_cores / device.parts.cores)
+
+
+def _prefill_wave(chunk_times: list[float], chunk: int, prompt_tokens: int) -> float:
+    """Seconds to prefill ``prompt_tokens`` in steps of ``chunk`` tokens taking ``chunk_times`` on the stages, up
+    to one step per stage in flight (as decode steps are)."""
+    steps = math.ceil(prompt_tokens / chunk)
+    k = min(len(chunk_times), steps)
+    return steps / k * max(k * max(chunk_times), sum(chunk_times))
 
 
 def _host_share(hw: Hardware, device: DeviceSpec, pp: int, tp: int, dp: int) -> float:
