@@ -1,7 +1,7 @@
 """`pipejax plan`'s predictions held against the engine on this host: each layout's decode-step time per stage and
 its output tok/s, predicted from FLOPs and bytes (``modelled``) and from the model's parts measured here (``--measure``:
-``plan.MeasuredParts``; ``from_parts``), beside the engine's own (``engine``). Predicted throughput counts decode
-steps only; the engine's includes the prefill and the driver's turnaround.
+``plan.MeasuredParts``; ``from_parts``), beside the engine's own (``engine``). Predicted throughput is a wave's (the
+prompts prefilled, then the outputs decoded); the engine's also pays the driver's turnaround.
 
 The parent measures this host (``plan.measure_cpu_host``) and, with ``--measure``, the model's parts, before any
 engine runs. Then each layout runs in a fresh process, in the order given, ``--rounds`` times alternating:

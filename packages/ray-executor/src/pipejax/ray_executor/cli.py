@@ -162,7 +162,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--measure", action="store_true",
                    help="on this host's CPU devices: time the model's own parts here (a layer of each kind, the "
-                        "embedding, the head and sampler, at the workload's batch sizes; ~30 s per tp) and predict "
+                        "embedding, the head and sampler, at the workload's batch sizes; ~16 s per tp) and predict "
                         "the decode steps and the split from them instead of from FLOPs and bytes")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--json", default=None, metavar="FILE", help="also write every layout and the commands here")

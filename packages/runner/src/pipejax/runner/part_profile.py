@@ -146,11 +146,9 @@ def profile_parts(path: str | Path, model: ModelConfig, tp: int, rows: Sequence[
 def _parts_at(rows: int, t: dict[str, tuple[float, float]], kinds: tuple[str, ...], middle: dict[str, int | None],
               model: ModelConfig) -> PartTimes:
     """The parts from the stages' step times at one batch size (see the module's docstring)."""
-    first_layer = max(t["first2"][0] - t["first1"][0], 0.0)  # layer 1 (kind kinds[1])
-    ref = kinds[1]
-    overhead = max(t[f"middle-{ref}"][0] - first_layer, 0.0) if middle[ref] is not None else 0.0
+    ref = kinds[1]  # layer 1 is in the first two-layer stage and is the reference kind's middle stage
+    overhead = max(t[f"middle-{ref}"][0] - max(t["first2"][0] - t["first1"][0], 0.0), 0.0)
     per_kind = {k: max(t[f"middle-{k}"][0] - overhead, 0.0) for k, i in middle.items() if i is not None}
-    per_kind[ref] = first_layer if middle[ref] is None else per_kind[ref]
     work = model.part_costs().layer_time  # a kind never in the middle: the modelled ratio to one measured
     for k in kinds:
         if k not in per_kind:
