@@ -11,7 +11,9 @@ half of the timed run's traced steps; a stage's figure is the median of its own 
 executor (``--backend ray``, the default) a stage's traced step runs from its inputs in hand to its output sent, in
 the stage's own process, slowed by whatever shares its cores, as served. With in-process stages (``--backend uni``)
 a stage returns before its device work ends (JAX dispatches asynchronously), so only the sum over the stages
-compares (also printed). Output tok/s is the timed run's.
+compares (also printed). Output tok/s is the timed run's. Each layout runs with the KV blocks the plan gives it,
+and with ``--measure`` the peak RSS (VmHWM) of every process holding its stages (each stage's Ray actor, or the
+layout's process) is printed beside the plan's prediction of it.
 
     python benchmarks/plan_check.py --model builtin:bench --layouts 1x1 2x1 --measure
 """
@@ -30,13 +32,19 @@ os.environ.setdefault("PIPEJAX_CPU_KERNEL_BUILD", "wait")  # one formulation thr
 DEVICES = 8
 
 
+def peak_rss_mib(pid: int) -> float:
+    """A process's RSS high-water mark (VmHWM), MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def one_layout(model: str, pp: int, tp: int, split: str, backend: str, prompts: int, input_len: int,
-               output_len: int) -> dict:
+               output_len: int, kv_blocks: int) -> dict:
     from pipejax.ray_executor import LLM, SamplingParams
 
     llm = LLM(None if model == "default" else model, pipeline_parallel_size=pp, tensor_parallel_size=tp,
               distributed_executor_backend=backend, max_num_seqs=prompts, max_model_len=input_len + output_len,
-              max_num_batched_tokens=2048, step_trace_len=1 << 16, pp_layer_partition=split if pp > 1 else None)
+              step_trace_len=1 << 16, pp_layer_partition=split if pp > 1 else None, num_kv_blocks=kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     batch = [{"prompt_token_ids": [(7 * i + j) % 200 + 3 for j in range(input_len)]} for i in range(prompts)]
     llm.generate(batch, params)  # compiles
@@ -58,9 +66,13 @@ def one_layout(model: str, pp: int, tp: int, split: str, backend: str, prompts: 
             a, b = ranks[r]
             # in-process stages: a later stage's step starts before the previous one's work is done
             own[r].append(b - max(a, ranks[r - 1][1]) if r and backend == "uni" else b - a)
+    # the processes holding the stages: each stage's Ray actor, or this one
+    pids = [p["pid"] for p in engine.executor.placement] if backend == "ray" else [os.getpid()]
+    peaks = [peak_rss_mib(pid) for pid in pids]
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"stage_ms": [statistics.median(t) * 1e3 for t in own], "steps": len(decode), "tok_s": tokens / wall}
+    return {"stage_ms": [statistics.median(t) * 1e3 for t in own], "steps": len(decode), "tok_s": tokens / wall,
+            "peak_rss_mib": peaks}
 
 
 def main() -> int:
@@ -76,11 +88,12 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--split", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         pp, tp = map(int, args.child.split("x"))
         print("RESULT " + json.dumps(one_layout(args.model, pp, tp, args.split, args.backend, args.num_prompts,
-                                                 args.input_len, args.output_len)))
+                                                 args.input_len, args.output_len, args.kv_blocks)))
         return 0
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
@@ -101,24 +114,28 @@ def main() -> int:
     if args.measure:
         started = time.perf_counter()
         parts = plan.MeasuredParts(path, model, work.concurrency, work.prompt_len + work.output_len // 2,
-                                   prompt_len=work.prompt_len)
+                                   prompt_len=work.prompt_len, max_model_len=work.max_model_len)
         ways["from_parts"] = dataclasses.replace(modelled, parts=parts)
         for tp in sorted({int(lay.split("x")[1]) for lay in args.layouts}):
             parts(tp)
+            parts.memory(tp)
         print(f"parts measured in {time.perf_counter() - started:.1f} s at rows {parts.rows}")
     hw = Hardware("cpu", chips_per_host=DEVICES)
     predicted = {}
     for layout in args.layouts:
         pp, tp = map(int, layout.split("x"))
-        predicted[layout] = {way: plan.predict(model, hw, dev, work, pp, tp) for way, dev in ways.items()}
+        predicted[layout] = {way: plan.predict(model, hw, dev, work, pp, tp, backend=args.backend)
+                             for way, dev in ways.items()}
     split_by = "from_parts" if args.measure else "modelled"
     runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
     for _ in range(args.rounds):
         for layout in args.layouts:
             split = ",".join(map(str, predicted[layout][split_by].partition))
+            kv_blocks = predicted[layout][split_by].kv_blocks
             proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--backend", args.backend,
                                    "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                                   "--output-len", str(args.output_len), "--child", layout, "--split", split],
+                                   "--output-len", str(args.output_len), "--child", layout, "--split", split,
+                                   "--kv-blocks", str(kv_blocks)],
                                   capture_output=True, text=True,
                                   env={**os.environ, "JAX_PLATFORMS": "cpu", "RAY_AUTH_MODE": "disabled",
                                        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"})
@@ -147,6 +164,15 @@ def main() -> int:
         rows.append(tput)
         print(f"{layout}: engine {tok_s:.1f} output tok/s; predicted " + "; ".join(
             f"{way} {pred.throughput:.1f}" for way, pred in predicted[layout].items()))
+        want = predicted[layout][split_by].process_memory_bytes
+        if want:  # measured: each process holding stages, its peak RSS against the prediction
+            peaks = [statistics.median(run["peak_rss_mib"][i] for run in runs[layout]) for i in range(len(want))]
+            rows.append({"layout": layout, "stage": "memory", "split": split, "peak_rss_mib": peaks,
+                         "predicted_mib": [w / 2**20 for w in want],
+                         "ratio": [p / (w / 2**20) for p, w in zip(peaks, want, strict=True)]})
+            print(f"{layout}: peak RSS of each process holding stages " + ", ".join(
+                f"{p:.0f} MiB (predicted {w / 2**20:.0f}, {p / (w / 2**20):.2f}x)"
+                for p, w in zip(peaks, want, strict=True)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"host": modelled.source, "backend": args.backend, "rows": rows, "runs": runs}, f, indent=1)

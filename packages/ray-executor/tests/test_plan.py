@@ -1,6 +1,7 @@
 """``pipejax plan``: the layouts it lists are exactly the valid ones, ranked by predicted throughput, each split
 by ``balanced_partition`` within its stage's memory; bad input and a model too large are refused by name."""
 
+import dataclasses
 import json
 import math
 
@@ -13,6 +14,7 @@ from pipejax.pp_utils.config import ParallelConfig
 from pipejax.ray_executor import cli, plan
 from pipejax.runner.config import ModelConfig
 from pipejax.runner.part_profile import PartProfile, PartTimes
+from pipejax.worker.memory_probe import KINDS, StageMemory
 
 LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
              "num_attention_heads": 64, "num_key_value_heads": 8, "num_hidden_layers": 80, "vocab_size": 128256,
@@ -37,8 +39,11 @@ def test_every_valid_layout_is_listed_once_ranked_and_split_within_memory():
         assert model.num_kv_heads % p.tp == 0 or p.tp % model.num_kv_heads == 0
         assert sum(p.partition) == model.num_layers and len(p.partition) == p.pp
         stage_memory = device.memory_bytes * p.tp * plan.USABLE_MEMORY
-        assert max(p.stage_weight_bytes) < stage_memory  # and the KV blocks fill what is left
-        assert p.kv_blocks > 0 and 1 <= p.rows <= math.ceil(WORK.concurrency / p.dp)
+        assert max(p.stage_weight_bytes) < stage_memory
+        assert 1 <= p.rows <= math.ceil(WORK.concurrency / p.dp)
+        # the KV its rows need at max_model_len, within what the weights leave: never more than either
+        assert 0 < p.kv_blocks <= 1 + p.rows * WORK.max_model_len // 16
+        assert all(m <= stage_memory for m in p.stage_memory_bytes)
         assert 0 <= p.bubble < 1
     assert [p.throughput for p in found] == sorted((p.throughput for p in found), reverse=True)
     # 131 GiB of bf16 weights: one 8-chip v5e host (128 GB HBM) cannot hold them, so every layout spans hosts
@@ -124,6 +129,7 @@ def test_the_readmes_commands_plan_the_default_model_on_v6e_and_this_cpu_measure
     assert cli.main(["plan", "--chips-per-host", "6", "--measure"]) == 0
     printed = capsys.readouterr().out
     assert "decode steps from the model's parts measured on this host at 1, 16, 32, 64 rows" in printed
+    assert "a stage process's memory" in printed and "proc GiB" in printed
     assert " 3 " in printed.split("best:")[0] and "\nbest: pp=" in printed  # tp=3 layouts, measured too
 
 
@@ -190,11 +196,15 @@ class _SameParts:
 
     cores = 2
 
-    def __init__(self, part: PartTimes, prefill: PartTimes | None = None):
+    def __init__(self, part: PartTimes, prefill: PartTimes | None = None, memory: StageMemory | None = None):
         self.part, self.prefill = part, prefill
+        self._memory = memory or StageMemory(1, 0.0, dict.fromkeys(KINDS, 0.0), 0.0, "test")
 
     def __call__(self, tp: int) -> PartProfile:
         return PartProfile(tp, 576, (self.part,), "test", prefill=self.prefill)
+
+    def memory(self, tp: int) -> StageMemory:
+        return self._memory
 
 
 def test_measured_parts_set_the_split_and_the_stage_times_slowed_by_the_cores_shared():
@@ -244,3 +254,36 @@ def test_a_measured_prefill_step_sets_the_time_to_first_token_and_the_waves_thro
     chunks = 64 * WORK.prompt_len // 512
     prefill_wave = chunks / 2 * max(2 * max(stage_tokens), sum(stage_tokens)) * 512
     assert two.throughput == pytest.approx(64 * WORK.output_len / (prefill_wave + WORK.output_len * two.tpot_s))
+
+
+def test_the_kv_cache_is_what_the_rows_need_and_a_process_holds_its_runtime_and_its_stages():
+    model = ModelConfig.from_hf(SMALL)  # 30 layers, bf16: 23040 bytes of K and V per token
+    mib = 2**20
+    part = PartTimes(64, layer_s=(1e-3,) * 30, first_s=0.0, last_s=4e-3, overhead_s=0.5e-3, busy_cores=1.0)
+    memory = StageMemory(1, process_bytes=300 * mib, kind_bytes={"first": 20 * mib, "middle": 10 * mib,
+                                                                  "last": 100 * mib, "whole": 110 * mib},
+                         layer_bytes=2 * mib, source="test")
+    device = plan.DeviceSpec(memory_bytes=16 * plan.GIB, flops=100e9, bandwidth=20e9, source="test", shared_host=True,
+                             parts=_SameParts(part, memory=memory))
+    hw = Hardware("cpu", chips_per_host=8)
+    whole = plan.predict(model, hw, device, WORK, pp=1, tp=1)
+    # 64 rows of max_model_len 4096: 256 blocks each and the padding block, though the host has room for more
+    assert whole.kv_blocks == 1 + 64 * 256
+    kv = whole.kv_blocks * 16 * 23040
+    assert whole.stage_memory_bytes == pytest.approx((whole.stage_weight_bytes[0] + kv + 110 * mib + 30 * 2 * mib,))
+    assert whole.process_memory_bytes == pytest.approx((300 * mib + whole.stage_memory_bytes[0],))
+    # pp=2 in one process ('uni'): the runtime once, both stages; on Ray: an actor per stage, each its runtime
+    one = plan.predict(model, hw, device, WORK, pp=2, tp=1)
+    first, last = one.partition
+    own = (20 * mib + 2 * mib * first, 100 * mib + 2 * mib * last)
+    assert one.stage_memory_bytes == pytest.approx(tuple(
+        w + one.kv_blocks * 16 * 23040 / 30 * n + o
+        for w, n, o in zip(one.stage_weight_bytes, one.partition, own, strict=True)))
+    assert one.process_memory_bytes == pytest.approx((300 * mib + sum(one.stage_memory_bytes),))
+    actors = plan.predict(model, hw, device, WORK, pp=2, tp=1, backend="ray")
+    assert actors.process_memory_bytes == pytest.approx(tuple(
+        300 * mib + plan.RAY_ACTOR_BYTES + m for m in actors.stage_memory_bytes))
+    # modelled (nothing measured): a stage's weights and KV, and no process figure
+    modelled = plan.predict(model, hw, dataclasses.replace(device, parts=None), WORK, pp=1, tp=1)
+    assert modelled.kv_blocks == whole.kv_blocks and modelled.process_memory_bytes == ()
+    assert modelled.stage_memory_bytes == pytest.approx((modelled.stage_weight_bytes[0] + kv,))

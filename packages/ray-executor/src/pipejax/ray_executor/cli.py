@@ -233,10 +233,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     how = "modelled from FLOPs and bytes, not measured"
     if args.measure:
         parts = plan.MeasuredParts(model_path, model, work.concurrency, work.prompt_len + work.output_len // 2,
-                                   prompt_len=work.prompt_len)
+                                   prompt_len=work.prompt_len, max_model_len=work.max_model_len)
         device = dataclasses.replace(device, parts=parts)
         how = (f"decode steps from the model's parts measured on this host at {', '.join(map(str, parts.rows))} "
-               f"rows, and prefill steps of whole prompts")
+               f"rows, prefill steps of whole prompts, and a stage process's memory")
     found = plan.plan(model, hw, device, work)
     print(f"{len(found)} layouts of {model.num_layers} layers on {hw.describe()}\ndevices: {device.source}\n"
           f"workload: {work.concurrency} requests at once, {work.prompt_len} tokens in, {work.output_len} out "

@@ -20,6 +20,10 @@ Measured instead of modelled (``--measure``, this host's CPU devices): the model
 sizes the layouts run, and in a prefill step; ``runner.part_profile``) give each stage's step times and the split;
 stages that share the host's cores slow each other by the cores they want together (the cores a step keeps busy,
 measured) over the cores there are.
+
+Memory: a stage holds its weights and the KV its rows need at ``max_model_len`` (the engine's own sizing rule),
+within what the weights leave. Measured (``--measure``), also its compiled programs and temporaries, and each
+process that holds stages its runtime (``MeasuredParts.memory``: ``worker.memory_probe``'s fresh-process probes).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ TPU_STEP_OVERHEAD_S = 0.5e-3
 # against the in-process executor's 55.7, ~4 ms more; plan_check's in-process runs pay less than that.
 CPU_STEP_OVERHEAD_S = 2e-3
 MAX_HOSTS_TRIED = 4096  # when nothing fits: the smallest number of such hosts that would
+# A Ray actor's own memory beyond a plain process's, measured here: 245 MiB RSS after importing JAX and pipejax
+# and starting the CPU backend in an actor, 186 MiB in a plain process.
+RAY_ACTOR_BYTES = 59 * 2**20
 USABLE_MEMORY = 0.9  # of a stage's memory, for weights and KV together (the rest: XLA's workspace, activations)
 BLOCK_SIZE = 16
 PREFILL_CHUNK_TOKENS = 512  # a prefill step's tokens: the engine's default step budget (max_num_batched_tokens)
@@ -92,7 +99,7 @@ class LayoutPrediction:
     partition: tuple[int, ...]
     stage_time_s: tuple[float, ...]  # one decode step of one batch in flight, per stage
     stage_weight_bytes: tuple[float, ...]  # the stage's weights over all its devices
-    kv_blocks: int  # per stage (the fullest stage's share)
+    kv_blocks: int  # per stage: what ``rows`` requests of max_model_len need, within the fullest stage's room
     rows: int  # requests an engine runs at once (its share of the concurrency, as its KV allows)
     in_flight: int  # batches in flight per engine
     bubble: float  # share of stage time idle
@@ -100,6 +107,11 @@ class LayoutPrediction:
     tpot_s: float  # time per output token of one request
     ttft_s: float  # the prompt's prefill through every stage, alone
     backend: str
+    # per stage: its weights, its KV and (measured) its programs' and temporaries' memory
+    stage_memory_bytes: tuple[float, ...] = ()
+    # measured: each process of an engine that holds stages ('uni': one, 'ray': one per stage), its runtime and
+    # its stages' memory
+    process_memory_bytes: tuple[float, ...] = ()
 
     @property
     def devices(self) -> int:
@@ -121,14 +133,18 @@ def tpu_device(hw: Hardware) -> DeviceSpec:
 class MeasuredParts:
     """The model's parts timed on this host's devices (``runner.part_profile.profile_parts``), once per tp, at
     the batch sizes a workload of ``concurrency`` requests runs (1, a quarter, a half and all of them), each
-    request with ``context`` tokens cached; ``cores``: the host's."""
+    request with ``context`` tokens cached; ``cores``: the host's. ``memory(tp)``: a stage process's memory beyond
+    its weights and KV, measured in fresh processes (``worker.memory_probe``) for ``concurrency`` requests of
+    ``max_model_len`` tokens."""
 
     def __init__(self, path: str, model: ModelConfig, concurrency: int, context: int, prompt_len: int | None = None,
-                 repeats: int = 15):
+                 repeats: int = 15, max_model_len: int | None = None):
         self.path, self.model, self.context, self.prompt_len, self.repeats = path, model, context, prompt_len, repeats
+        self.concurrency, self.max_model_len = concurrency, max_model_len or 2 * context
         self.rows = sorted({1, max(1, concurrency // 4), max(1, concurrency // 2), concurrency})
         self.cores = len(os.sched_getaffinity(0))
         self._by_tp: dict = {}
+        self._memory: dict = {}
 
     def __call__(self, tp: int):
         if tp not in self._by_tp:
@@ -137,6 +153,14 @@ class MeasuredParts:
             self._by_tp[tp] = profile_parts(self.path, self.model, tp, self.rows, self.context, self.repeats,
                                             prompt_len=self.prompt_len)
         return self._by_tp[tp]
+
+    def memory(self, tp: int):
+        if tp not in self._memory:
+            from pipejax.worker.memory_probe import measure_stage_memory
+
+            self._memory[tp] = measure_stage_memory(self.path, tp, self.concurrency, self.max_model_len,
+                                                    PREFILL_CHUNK_TOKENS)
+        return self._memory[tp]
 
 
 def measure_cpu_host(seconds: float = 0.3) -> DeviceSpec:
@@ -217,14 +241,14 @@ def plan(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload,
 
 
 def predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workload, pp: int, tp: int, dp: int = 1,
-            memory_fraction: float = USABLE_MEMORY) -> LayoutPrediction:
+            memory_fraction: float = USABLE_MEMORY, backend: str | None = None) -> LayoutPrediction:
     """The prediction for one layout (checked as ``plan`` checks it; a ``ValueError`` or ``LayoutError`` where it
-    does not fit)."""
+    does not fit); ``backend``: the executor it runs on (None: as the platform chooses)."""
     from pipejax.runner.model import kv_heads_for_tp
 
     kv_heads_for_tp(model, tp)
-    checked = check_layout(ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp),
-                           hw)
+    checked = check_layout(ParallelConfig(pipeline_parallel_size=pp, tensor_parallel_size=tp, data_parallel_size=dp,
+                                          distributed_executor_backend=backend), hw)
     return _predict(model, hw, device, work, pp, tp, dp, checked.distributed_executor_backend, memory_fraction)
 
 
@@ -291,6 +315,15 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
         times = tuple(_stage_step(costs, model, bounds[r], bounds[r + 1], pp, r, tp, batch, mean_context, flops,
                                   bandwidth, device.step_overhead_s) for r in range(pp))
         measured_prefill = None
+    # the cache allocated: what the rows need at max_model_len (as the engine sizes it), within the room there is
+    kv_blocks = min(kv_blocks, 1 + rows * math.ceil(work.max_model_len / BLOCK_SIZE))
+    memory = device.parts.memory(tp) if device.parts is not None else None
+    stage_memory = tuple(weights[r] + kv_blocks * BLOCK_SIZE * kv_token_layer * partition[r]
+                         + (memory.stage_bytes(pp, r, partition[r]) if memory else 0.0) for r in range(pp))
+    process_memory: tuple[float, ...] = ()
+    if memory is not None:  # 'uni': one process holds every stage; 'ray': a Ray actor per stage
+        process_memory = ((memory.process_bytes + sum(stage_memory),) if backend == "uni"
+                          else tuple(memory.process_bytes + RAY_ACTOR_BYTES + m for m in stage_memory))
     rnd = max(in_flight * max(times), sum(times))  # k batches' steps, or one batch's trip through every stage
     bubble = 1 - in_flight * sum(times) / (pp * rnd)
     # a wave of requests: every engine's prompts prefilled in steps of ``chunk`` tokens, k of them in flight over the
@@ -311,7 +344,8 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
         ttft = sum(prefill_s(work.prompt_len, r) for r in range(pp))
     wave = _prefill_wave(chunk_times, chunk, prompt_tokens) + work.output_len * rnd
     return LayoutPrediction(pp, tp, dp, partition, times, weights, kv_blocks, rows, in_flight, bubble,
-                            throughput=served * work.output_len / wave, tpot_s=rnd, ttft_s=ttft, backend=backend)
+                            throughput=served * work.output_len / wave, tpot_s=rnd, ttft_s=ttft, backend=backend,
+                            stage_memory_bytes=stage_memory, process_memory_bytes=process_memory)
 
 
 def _shared_cores_slowdown(hw: Hardware, device: DeviceSpec, busy_cores: float, busy_stages: int) -> float:
@@ -416,16 +450,21 @@ def commands(best: LayoutPrediction, model_arg: str | None, model_path: str, wor
 
 
 def table(found: list[LayoutPrediction], top: int) -> str:
+    """The ranked layouts: ``stage GiB`` is the largest stage's weights and KV over all its devices (and,
+    measured, its programs' memory); ``proc GiB`` (measured only) the largest process an engine holds stages in."""
     shown = found[:top]
     splits = [",".join(map(str, p.partition)) for p in shown]
     stages = ["/".join(f"{t * 1e3:.2f}" for t in p.stage_time_s) for p in shown]
     ws, wt = max(5, *map(len, splits)), max(8, *map(len, stages))
+    measured = any(p.process_memory_bytes for p in shown)
     lines = [f"{'rank':>4} {'pp':>3} {'tp':>3} {'dp':>3} {'split':<{ws}} {'stage ms':<{wt}} {'bubble':>6} "
-             f"{'KV blk':>7} {'rows':>5} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8}"]
+             f"{'KV blk':>7} {'rows':>5} {'tok/s':>9} {'TPOT ms':>8} {'TTFT ms':>8} {'stage GiB':>9}"
+             + (f" {'proc GiB':>8}" if measured else "")]
     for i, (p, split, times) in enumerate(zip(shown, splits, stages, strict=True), start=1):
+        proc = f" {max(p.process_memory_bytes) / GIB:>8.2f}" if p.process_memory_bytes else ""
         lines.append(f"{i:>4} {p.pp:>3} {p.tp:>3} {p.dp:>3} {split:<{ws}} {times:<{wt}} {p.bubble:>6.0%} "
                      f"{p.kv_blocks:>7} {p.rows:>5} {p.throughput:>9.1f} {p.tpot_s * 1e3:>8.2f} "
-                     f"{p.ttft_s * 1e3:>8.1f}")
+                     f"{p.ttft_s * 1e3:>8.1f} {max(p.stage_memory_bytes) / GIB:>9.2f}" + proc)
     return "\n".join(lines)
 
 
