@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import time
 
 from pipejax.platform_tpu.hardware import Hardware
@@ -308,7 +309,10 @@ def _predict(model: ModelConfig, hw: Hardware, device: DeviceSpec, work: Workloa
             raise ValueError(f"no room for one request's KV ({context} tokens) beside the weights")
         in_flight = min(pp, rows)
         part = device.parts(tp).at(math.ceil(rows / in_flight))
-        slowdown = _shared_cores_slowdown(hw, device, part.busy_cores, min(in_flight, pp) * dp)
+        # the cores a stage's step keeps busy: its parts' CPU time over their time (its layers keep more busy than
+        # a one-layer stage's fixed cost), the mean over the stages
+        cores = statistics.mean(part.stage_cores(bounds[r], bounds[r + 1], pp, r) for r in range(pp))
+        slowdown = _shared_cores_slowdown(hw, device, cores, min(in_flight, pp) * dp)
         times = tuple(part.stage_s(bounds[r], bounds[r + 1], pp, r) * slowdown for r in range(pp))
         measured_prefill = device.parts(tp).prefill
     else:
@@ -354,7 +358,8 @@ def _shared_cores_slowdown(hw: Hardware, device: DeviceSpec, busy_cores: float, 
     cores they slow each other."""
     if not device.shared_host:
         return 1.0
-    return max(1.0, math.ceil(busy_stages / hw.num_hosts) * busy_cores / device.parts.cores)
+    wanted = min(busy_cores, device.parts.cores)  # a step's measured CPU time over its wall time, at most the host's
+    return max(1.0, math.ceil(busy_stages / hw.num_hosts) * wanted / device.parts.cores)
 
 
 def _prefill_wave(chunk_times: list[float], chunk: int, prompt_tokens: int) -> float:

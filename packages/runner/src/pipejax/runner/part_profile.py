@@ -43,7 +43,8 @@ BLOCK_SIZE = 16
 class PartTimes:
     """Seconds of one decode step's parts at ``rows`` requests: ``layer_s`` per decoder layer (each layer its
     kind's), ``first_s`` the embedding, ``last_s`` the final norm + LM head + sampler, ``overhead_s`` what every
-    stage pays per step; ``busy_cores``: the cores a one-layer stage's step keeps busy on average."""
+    stage pays per step; ``busy_cores``: the cores a one-layer stage's step keeps busy on average. ``cpu``: the
+    same parts' CPU seconds (the process's, every thread), where measured."""
 
     rows: int
     layer_s: tuple[float, ...]
@@ -51,10 +52,19 @@ class PartTimes:
     last_s: float
     overhead_s: float
     busy_cores: float
+    cpu: PartTimes | None = None
 
     def stage_s(self, start: int, stop: int, pp: int, rank: int) -> float:
         return (self.overhead_s + sum(self.layer_s[start:stop]) + (self.first_s if rank == 0 else 0.0)
                 + (self.last_s if rank == pp - 1 else 0.0))
+
+    def stage_cores(self, start: int, stop: int, pp: int, rank: int) -> float:
+        """The cores a stage's step keeps busy: its parts' CPU seconds over their seconds. A whole stage's layers
+        keep more cores busy than a one-layer stage's fixed cost does, so ``busy_cores`` would undercount it."""
+        wall = self.stage_s(start, stop, pp, rank)
+        if self.cpu is None or wall <= 0:
+            return self.busy_cores
+        return self.cpu.stage_s(start, stop, pp, rank) / wall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +86,17 @@ class PartProfile:
         a, b = pts[i - 1], pts[i]
         w = (rows - a.rows) / (b.rows - a.rows)
 
-        def mix(x: float, y: float) -> float:
-            return max(0.0, x + w * (y - x))
+        return _mix(rows, a, b, w)
 
-        return PartTimes(rows, tuple(mix(x, y) for x, y in zip(a.layer_s, b.layer_s, strict=True)),
-                         mix(a.first_s, b.first_s), mix(a.last_s, b.last_s), mix(a.overhead_s, b.overhead_s),
-                         mix(a.busy_cores, b.busy_cores))
+
+def _mix(rows: int, a: PartTimes, b: PartTimes, w: float) -> PartTimes:
+    def mix(x: float, y: float) -> float:
+        return max(0.0, x + w * (y - x))
+
+    cpu = _mix(rows, a.cpu, b.cpu, w) if a.cpu is not None and b.cpu is not None else None
+    return PartTimes(rows, tuple(mix(x, y) for x, y in zip(a.layer_s, b.layer_s, strict=True)),
+                     mix(a.first_s, b.first_s), mix(a.last_s, b.last_s), mix(a.overhead_s, b.overhead_s),
+                     mix(a.busy_cores, b.busy_cores), cpu)
 
 
 def layer_kinds(model: ModelConfig) -> tuple[str, ...]:
@@ -145,7 +160,14 @@ def profile_parts(path: str | Path, model: ModelConfig, tp: int, rows: Sequence[
 
 def _parts_at(rows: int, t: dict[str, tuple[float, float]], kinds: tuple[str, ...], middle: dict[str, int | None],
               model: ModelConfig) -> PartTimes:
-    """The parts from the stages' step times at one batch size (see the module's docstring)."""
+    """The parts from the stages' (step seconds, cores busy) at one batch size (see the module's docstring); their
+    CPU seconds split the same way."""
+    cpu = _split(rows, {k: (s * cores, 0.0) for k, (s, cores) in t.items()}, kinds, middle, model)
+    return dataclasses.replace(_split(rows, t, kinds, middle, model), cpu=cpu)
+
+
+def _split(rows: int, t: dict[str, tuple[float, float]], kinds: tuple[str, ...], middle: dict[str, int | None],
+           model: ModelConfig) -> PartTimes:
     ref = kinds[1]  # layer 1 is in the first two-layer stage and is the reference kind's middle stage
     overhead = max(t[f"middle-{ref}"][0] - max(t["first2"][0] - t["first1"][0], 0.0), 0.0)
     per_kind = {k: max(t[f"middle-{k}"][0] - overhead, 0.0) for k, i in middle.items() if i is not None}
