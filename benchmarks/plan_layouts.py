@@ -2,9 +2,8 @@
 each layout serves on this host.
 
 The plan is `pipejax plan --json` as a user runs it (with ``--measure``: from the model's parts timed here). Then
-every layout it lists is served in turn by `pipejax serve` with the plan's own command (its split, backend, max
-model length and rows; the KV cache sized by the engine's default rule, not the plan's ``--num-kv-blocks``, which
-fills the host's RAM for one layout), then loaded twice with the same ``--num-prompts`` requests of
+every layout it lists is served in turn by `pipejax serve` with the plan's own command as written (its split,
+backend, max model length, rows and KV blocks), then loaded twice with the same ``--num-prompts`` requests of
 ``--input-len`` random tokens in and ``--output-len`` out, at most ``--concurrency`` at once (`pipejax bench
 serve`; by default one wave, as the plan predicts): the first run compiles the shapes the load meets, the second
 is timed, and its output tok/s is the measurement. Each server is a fresh
@@ -113,9 +112,7 @@ def main() -> int:
     for rank, fields in enumerate(planned["layouts"], start=1):
         fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items() if k != "devices"}
         layout = plan.LayoutPrediction(**fields)
-        served = plan.commands(layout, args.model, "", work)["pipejax"].split()
-        cut = served.index("--num-kv-blocks")
-        command = [pipejax_cmd(), *served[1:cut], *served[cut + 2:]]
+        command = [pipejax_cmd(), *plan.commands(layout, args.model, "", work)["pipejax"].split()[1:]]
         name = f"pp={layout.pp} tp={layout.tp} dp={layout.dp}"
         try:
             got = serve_and_measure(command, args, args.port + rank, workdir)

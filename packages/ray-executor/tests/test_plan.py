@@ -229,6 +229,24 @@ def test_measured_parts_set_the_split_and_the_stage_times_slowed_by_the_cores_sh
     assert on_two_hosts.stage_time_s == pytest.approx((34.5 * ms,))
 
 
+def test_engines_sharing_the_cores_are_slowed_by_the_cores_their_whole_steps_keep_busy():
+    model = ModelConfig.from_hf(SMALL)  # 30 layers
+    ms = 1e-3
+    # one-layer stages keep 1.2 cores busy, but a layer alone keeps 2 (all of this host's): a whole stage ~1.97
+    cpu = PartTimes(64, layer_s=(2 * ms,) * 30, first_s=0.0, last_s=4 * ms, overhead_s=0.5 * ms, busy_cores=0.0)
+    part = PartTimes(64, layer_s=(1 * ms,) * 30, first_s=0.0, last_s=4 * ms, overhead_s=0.5 * ms, busy_cores=1.2,
+                     cpu=cpu)
+    device = plan.DeviceSpec(memory_bytes=16 * plan.GIB, flops=100e9, bandwidth=20e9, source="test", shared_host=True,
+                             parts=_SameParts(part))
+    hw = Hardware("cpu", chips_per_host=8)
+    whole = 34.5 * ms
+    cores = 64.5 / 34.5  # the whole stage's CPU seconds over its seconds
+    assert plan.predict(model, hw, device, WORK, pp=1, tp=1).stage_time_s == pytest.approx((whole,))
+    # four engines at once want 4 x 1.87 cores of 2, where the one-layer stages' 1.2 would say 2.4x
+    four = plan.predict(model, hw, device, WORK, pp=1, tp=1, dp=4)
+    assert four.stage_time_s == pytest.approx((whole * 4 * cores / 2,))
+
+
 def test_measure_is_refused_for_a_tpu_plan(capsys):
     assert cli.main(["plan", "--tpu", "v5e", "--measure"]) == 2
     assert "--measure times the model's parts on this host's CPU devices" in capsys.readouterr().err

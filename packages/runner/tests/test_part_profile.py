@@ -29,6 +29,28 @@ def test_parts_are_the_differences_of_the_stages_step_times():
     assert part.stage_s(2, 4, 3, 1) == pytest.approx(overhead + 2 * layer)
 
 
+def test_a_stages_cores_are_its_parts_cpu_time_over_their_time():
+    model = ModelConfig.from_hf(LLAMA)
+    # a layer keeps 2 cores busy, the fixed cost and the ends 1
+    layer, overhead, embed, head = 3e-3, 1e-3, 0.2e-3, 5e-3
+    wall = {"first1": overhead + embed + layer, "first2": overhead + embed + 2 * layer,
+            "middle-dense": overhead + layer, "last1": overhead + layer + head}
+    cpu = {"first1": overhead + embed + 2 * layer, "first2": overhead + embed + 4 * layer,
+           "middle-dense": overhead + 2 * layer, "last1": overhead + 2 * layer + head}
+    part = _parts_at(8, {k: (wall[k], cpu[k] / wall[k]) for k in wall}, layer_kinds(model), {"dense": 1}, model)
+    assert part.cpu.layer_s == pytest.approx((2 * layer,) * 6)
+    assert (part.cpu.first_s, part.cpu.last_s, part.cpu.overhead_s) == pytest.approx((embed, head, overhead))
+    whole = overhead + embed + 12 * layer + head
+    assert part.stage_cores(0, 6, 1, 0) == pytest.approx(whole / part.stage_s(0, 6, 1, 0))
+    assert part.stage_cores(2, 4, 3, 1) == pytest.approx((overhead + 4 * layer) / (overhead + 2 * layer))
+    # a middle stage of four layers keeps more cores busy than the one-layer middle stage measured
+    assert part.stage_cores(1, 5, 3, 1) == pytest.approx(25 / 13)
+    assert part.stage_cores(1, 5, 3, 1) > cpu["middle-dense"] / wall["middle-dense"]
+    # interpolated between batch sizes with the times
+    profile = PartProfile(1, 64, (part, dataclasses.replace(part, rows=16)), "test")
+    assert profile.at(12).stage_cores(0, 6, 1, 0) == pytest.approx(part.stage_cores(0, 6, 1, 0))
+
+
 def test_a_moe_models_layer_kinds_are_timed_apart():
     moe = MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, sparse_step=2)
     model = dataclasses.replace(ModelConfig.from_hf(LLAMA), moe=moe)

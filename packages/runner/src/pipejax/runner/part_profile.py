@@ -14,8 +14,9 @@ The same stages also time one prefill step of ``prefill_tokens`` (whole prompts 
 as fit; the engine's default step budget), split into parts the same way. A step is timed as the worker runs it:
 its inputs put on the devices, the jitted forward until its output exists, and on the last stage the sampled
 tokens on the host. Each figure is the median of ``repeats`` steps after one untimed. The cores a step keeps
-busy (process CPU time over wall time) are kept too: stages that share a host's cores slow each other once
-together they want more than it has.
+busy (process CPU time over wall time) are kept too, and the parts' CPU seconds split from them as the times are
+(``PartTimes.cpu``): stages that share a host's cores slow each other once together they want more than it has,
+and a whole stage's layers want more cores than a one-layer stage's step shows.
 """
 
 from __future__ import annotations
