@@ -32,15 +32,10 @@ os.environ.setdefault("PIPEJAX_CPU_KERNEL_BUILD", "wait")  # one formulation thr
 DEVICES = 8
 
 
-def peak_rss_mib(pid: int) -> float:
-    """A process's RSS high-water mark (VmHWM), MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def one_layout(model: str, pp: int, tp: int, split: str, backend: str, prompts: int, input_len: int,
                output_len: int, kv_blocks: int) -> dict:
     from pipejax.ray_executor import LLM, SamplingParams
+    from pipejax.worker.memory_probe import peak_rss
 
     llm = LLM(None if model == "default" else model, pipeline_parallel_size=pp, tensor_parallel_size=tp,
               distributed_executor_backend=backend, max_num_seqs=prompts, max_model_len=input_len + output_len,
@@ -68,7 +63,7 @@ def one_layout(model: str, pp: int, tp: int, split: str, backend: str, prompts: 
             own[r].append(b - max(a, ranks[r - 1][1]) if r and backend == "uni" else b - a)
     # the processes holding the stages: each stage's Ray actor, or this one
     pids = [p["pid"] for p in engine.executor.placement] if backend == "ray" else [os.getpid()]
-    peaks = [peak_rss_mib(pid) for pid in pids]
+    peaks = [peak_rss(pid) / 2**20 for pid in pids]
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"stage_ms": [statistics.median(t) * 1e3 for t in own], "steps": len(decode), "tok_s": tokens / wall,

@@ -13,13 +13,9 @@ from pipejax.platform_tpu.hardware import Hardware
 from pipejax.ray_executor import plan
 from pipejax.ray_executor.engine_args import resolve_model
 from pipejax.runner.config import ModelConfig
+from pipejax.worker.memory_probe import peak_rss
 
 WORK = plan.Workload(max_model_len=2048, concurrency=32, prompt_len=64, output_len=16)
-
-
-def _peak_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _serve(backend: str, split: str, kv_blocks: int, rows: int) -> list[float]:
@@ -31,7 +27,7 @@ def _serve(backend: str, split: str, kv_blocks: int, rows: int) -> list[float]:
     prompts = [[(5 * i + j) % 200 + 3 for j in range(WORK.prompt_len)] for i in range(WORK.concurrency)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=WORK.output_len, ignore_eos=True))
     pids = [p["pid"] for p in llm.engine.executor.placement] if backend == "ray" else [os.getpid()]
-    peaks = [_peak_mib(pid) for pid in pids]
+    peaks = [peak_rss(pid) / 2**20 for pid in pids]
     llm.shutdown()
     return peaks
 

@@ -54,12 +54,7 @@ def probe(path: str, rank: int, size: int) -> None:
     from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
     from pipejax.runner.config import CacheConfig, SchedulerConfig, StageConfig
     from pipejax.worker import StageWorker, WorkerConfig
-
-    def peak() -> int:
-        """This process's own RSS high-water mark (VmHWM starts afresh at exec; getrusage's ru_maxrss
-        carries over exec from the spawning process, so a bigger parent would hide the growth)."""
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    from pipejax.worker.memory_probe import peak_rss as peak
 
     jax.device_put(jax.numpy.zeros(1)).block_until_ready()
     base = peak()

@@ -95,10 +95,10 @@ def _with_device_count(flags: str, count: int) -> str:
     return " ".join([*kept, f"--xla_force_host_platform_device_count={count}"])
 
 
-def peak_rss() -> int:
-    """This process's RSS high-water mark in bytes (VmHWM starts afresh at exec; getrusage's ru_maxrss carries
-    over exec from the spawning process, so a bigger parent would hide the figure)."""
-    with open("/proc/self/status") as f:
+def peak_rss(pid: int | str = "self") -> int:
+    """A process's RSS high-water mark in bytes (default: this one's). VmHWM starts afresh at exec; getrusage's
+    ru_maxrss carries over exec from the spawning process, so a bigger parent would hide the figure."""
+    with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
