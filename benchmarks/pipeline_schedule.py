@@ -41,7 +41,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 MULTIHOST = HERE.parent / "packages" / "ray-executor" / "tests" / "multihost"  # its netns cluster helper
 PREFIX = "pjsch"
-MODES = ("plain", "compiled")
+MODES = ("plain", "compiled", "compiled-shm")  # compiled: zmq edges (the default); -shm: Ray's spinning channel
 
 
 def parse_args(argv=None):
@@ -53,7 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="pairs of runs (1 in flight, pp in flight) per engine")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=["plain", "compiled"], choices=MODES,
+                    help="executors to run: plain Ray, the compiled graph (zmq edges), and with 'compiled-shm' the "
+                         "compiled graph on Ray's shared-memory channel (default: plain compiled)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the part that runs on host 0
     return ap.parse_args(argv)
@@ -162,7 +164,8 @@ def driver(args) -> None:
     for mode in args.modes:
         config = engine_config(
             "builtin:deep", pipeline_parallel_size=pp, distributed_executor_backend="ray",
-            ray_address=os.environ["RAY_ADDRESS"], ray_compiled_graph=mode == "compiled", num_kv_blocks=512,
+            ray_address=os.environ["RAY_ADDRESS"], ray_compiled_graph=mode != "plain", num_kv_blocks=512,
+            ray_graph_channel="shared_memory" if mode == "compiled-shm" else None,
             max_model_len=128, step_trace_len=1 << 16, cpu_kernel_build="cached", recovery="off",
         )
         engine = LLMEngine(dataclasses.replace(config, simulated_step_s=args.stage_ms / 1e3))

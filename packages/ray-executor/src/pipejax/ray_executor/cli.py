@@ -59,6 +59,9 @@ def _add_engine_args(p: argparse.ArgumentParser, **command_defaults) -> None:
     p.add_argument("--model-impl", default=None,
                    help="'jax' (native) or 'torchax' (pipejax-torchax-bridge) (default {default})")
     p.add_argument("--ray-compiled-graph", action="store_true", help="with --distributed-executor-backend ray")
+    p.add_argument("--ray-graph-channel", choices=["zmq", "shared_memory"], default=None,
+                   help="with --ray-compiled-graph: the graph's edges; 'zmq' readers sleep until a message comes, "
+                        "Ray's 'shared_memory' readers spin on a core each (default {default})")
     p.add_argument("--pin-stage-cpus", action="store_true",
                    help="with the ray backend on CPU: each stage actor gets its own share of its host's cores")
     p.add_argument("--recovery", choices=["on", "off"], default=None,

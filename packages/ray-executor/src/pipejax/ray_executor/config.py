@@ -28,6 +28,9 @@ def _default_compilation_cache_dir() -> str | None:
     return compilation_cache_dir(None)
 
 
+GRAPH_CHANNELS = ("zmq", "shared_memory")  # a compiled graph's edges (executor/graph_channel.py says why zmq)
+
+
 @dataclasses.dataclass(frozen=True)
 class RayConfig:
     """The Ray executor's settings (the other executors ignore them)."""
@@ -37,9 +40,16 @@ class RayConfig:
     device_resource: str = CPU_DEVICE_RESOURCE
     placement_timeout_s: float = 120.0  # how long to wait for the placement group to be placed
     compiled_graph: bool = False  # chain the stage actors in a Ray Compiled Graph (control messages only)
+    # The compiled graph's edges: "zmq" (a reader sleeps until its message comes; executor/graph_channel.py) or
+    # "shared_memory" (Ray's own channel, whose idle readers spin on a core each).
+    graph_channel: str = "zmq"
     # On the CPU backend: confine each stage actor to its own equal share of its node's cores, so stages
     # on one host do not share cores (as stages on their own chips would not).
     pin_stage_cpus: bool = False
+
+    def __post_init__(self):
+        if self.graph_channel not in GRAPH_CHANNELS:
+            raise ValueError(f"graph_channel={self.graph_channel!r}; use one of {', '.join(GRAPH_CHANNELS)}")
 
 
 @dataclasses.dataclass(frozen=True)

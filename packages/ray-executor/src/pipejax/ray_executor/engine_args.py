@@ -78,6 +78,7 @@ def engine_defaults() -> dict[str, Any]:
         "max_num_batched_tokens": default(runner.SchedulerConfig, "max_num_batched_tokens"),
         "ray_device_resource": default(engine.RayConfig, "device_resource"),
         "placement_timeout_s": default(engine.RayConfig, "placement_timeout_s"),
+        "ray_graph_channel": default(engine.RayConfig, "graph_channel"),
         "recovery_timeout": default(engine.EngineConfig, "recovery_timeout_s"),
         "cpu_kernel_build": default(engine.EngineConfig, "cpu_kernel_build"),
     }
@@ -153,6 +154,7 @@ def engine_config(
     ray_device_resource: str | None = None,
     placement_timeout_s: float | None = None,
     ray_compiled_graph: bool | None = None,
+    ray_graph_channel: str | None = None,
     pin_stage_cpus: bool | None = None,
     max_batches_in_flight: int | None = None,
     step_trace_len: int | None = None,
@@ -223,6 +225,7 @@ def engine_config(
             device_resource=env.get("ray_device_resource"),
             placement_timeout_s=placement_timeout_s,
             compiled_graph=ray_compiled_graph,
+            graph_channel=ray_graph_channel,
             pin_stage_cpus=pin_stage_cpus,
         )),
         compilation_cache_dir=(compilation_cache_dir_from_env(os.environ) if compilation_cache_dir is None

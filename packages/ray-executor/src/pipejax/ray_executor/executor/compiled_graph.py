@@ -18,6 +18,9 @@ from typing import Any
 
 from ray.dag import DAGContext, InputNode
 
+from pipejax.ray_executor.config import GRAPH_CHANNELS
+from pipejax.ray_executor.executor.graph_channel import WaitingChannelType
+
 CONTROL_BUFFER_BYTES = 8 << 20  # sized up front: a channel that grows at run time can hang teardown
 TEARDOWN_TIMEOUT_S = 30
 
@@ -36,9 +39,13 @@ class CompiledPipeline:
     """Compiles ``stage 0 -> ... -> last`` once; ``submit(batch)`` returns a future of the last stage's output."""
 
     def __init__(self, actors: list, max_inflight: int, get_timeout_s: float,
-                 describe_error: Callable[[Exception], Exception] | None = None):
+                 describe_error: Callable[[Exception], Exception] | None = None, channel: str = "zmq"):
         """``describe_error`` turns a Ray error of a step (a dead actor, a channel timeout) into the error
-        the engine reports (the executor names the stage and its host)."""
+        the engine reports (the executor names the stage and its host). ``channel``: the edges' channel,
+        ``"zmq"`` (readers sleep until a message comes: ``graph_channel``) or ``"shared_memory"`` (Ray's own,
+        whose readers spin)."""
+        if channel not in GRAPH_CHANNELS:
+            raise ValueError(f"graph channel {channel!r} is not one of {GRAPH_CHANNELS}")
         context = DAGContext.get_current()
         # A step may include a first-time JIT compile; the defaults (10 s) are for microsecond graphs.
         context.get_timeout = int(get_timeout_s)
@@ -46,10 +53,17 @@ class CompiledPipeline:
         context.read_iteration_timeout = int(get_timeout_s)
         context.teardown_timeout = TEARDOWN_TIMEOUT_S
         # A linear chain: the driver writes only to stage 0, every stage reads only its predecessor.
+        # Every stage after the first also reads the batch from the driver, to start pulling its activations
+        # before its predecessor's control message comes (as plain mode's prefetch calls do).
         with InputNode() as batch:
             node = batch
-            for actor in actors:
-                node = actor.execute_step.bind(node)
+            for rank, actor in enumerate([None, *actors]):
+                if rank == 1:
+                    node = actor.execute_step.bind(node)
+                elif rank > 1:
+                    node = actor.execute_step.bind(node, actor.prefetch_step.bind(batch))
+                if channel == "zmq":  # the batch reaches stage 0 first: the others only start pulls with it
+                    node.type_hint = WaitingChannelType(first_reader=actors[0] if rank == 0 else None)
         self.graph = node.experimental_compile(
             _max_inflight_executions=max_inflight, _buffer_size_bytes=CONTROL_BUFFER_BYTES
         )

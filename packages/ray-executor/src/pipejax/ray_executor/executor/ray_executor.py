@@ -116,7 +116,8 @@ class RayExecutor(Executor):
         if self.config.ray.compiled_graph:
             if self.pipeline is None:
                 self.pipeline = CompiledPipeline(self.actors, 2 * len(self.actors), self.config.step_timeout_s,
-                                                 describe_error=self._compiled_step_error)
+                                                 describe_error=self._compiled_step_error,
+                                                 channel=self.config.ray.graph_channel)
             return self.pipeline.submit(batch)
         refs = [a.call.remote("execute_model", batch) for a in self.actors]
         if self._unfinished:  # each stage reaches this step only after those: its pull can start meanwhile

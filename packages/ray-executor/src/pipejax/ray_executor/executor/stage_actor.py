@@ -85,9 +85,18 @@ class StageActor:
         compiled-graph step goes through here (``Executor.collective_rpc``, ``execute_model``)."""
         return getattr(self.worker, method)(*args, **kwargs)
 
-    def execute_step(self, incoming):
-        """This stage's node in the compiled graph (see compiled_graph.py)."""
+    def execute_step(self, incoming, _pull_started=None):
+        """This stage's node in the compiled graph (see compiled_graph.py); after ``prefetch_step``'s node."""
         return execute_step(self, incoming, self.name)
+
+    def prefetch_step(self, batch) -> None:
+        """The compiled graph's ``prefetch``: the batch straight from the driver, before the previous stage's
+        control message. A failure here only means the step pulls its activations itself."""
+        try:
+            if self.worker is not None:
+                self.worker.prefetch(batch)
+        except Exception:
+            logging.getLogger(__name__).exception("prefetch of step %s", getattr(batch, "step_id", "?"))
 
     def drained(self) -> bool:
         """Answers once every call queued before it has run (the executor waits for a stage's stale steps)."""
