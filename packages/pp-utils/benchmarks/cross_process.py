@@ -2,6 +2,7 @@
 the same bytes between the same two processes.
 
     python packages/pp-utils/benchmarks/cross_process.py [--rounds 30] [--json PATH]   # needs pyzmq (the reference)
+    python packages/pp-utils/benchmarks/cross_process.py --wire     # also each transfer's time on the wire (root)
 
 The one cross-process measurement: ``transport_bench.py`` (next to it) takes its cross-process column from
 here, and the benchmark report's ``transfer`` section runs this script and renders its JSON.
@@ -18,6 +19,11 @@ here; the sender, on "go", sends the float32 [rows, 768] activation in one of th
 
 Sizes: decode (64 x 768) and prefill (2048 x 768). The three alternate transfer by transfer;
 latency is the median time per transfer, GB/s = bytes / that time, the ratio is per round.
+
+``--wire`` measures the same transfers a second, independent way: the kernel's timestamps of their packets on
+the loopback interface (``loopback_wire.py``, a capture process beside them), from the receiver's "go" to the
+last packet carrying data. That leaves out both processes' own time after the bytes arrived (the receiver
+noticing them, JAX making them an array), which the latency above includes.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import loopback_wire  # next to this file
 
 HIDDEN = 768
 SIZES = {"decode 64x768": 64, "prefill 2048x768": 2048}
@@ -84,9 +92,9 @@ def sender(sizes: list[int]) -> None:
     data.close(linger=1000)
 
 
-def measure(rounds: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
+def measure(rounds: int, sizes: dict[str, int] = SIZES, wire: bool = False) -> dict[str, Any]:
     """The three kinds alternated, ``rounds`` timed transfers each per size, in this process (the receiver, on its
-    first local device) and a sender child on one CPU device."""
+    first local device) and a sender child on one CPU device; ``wire``: also their packets' times on ``lo``."""
     import jax
     import numpy as np
     import zmq
@@ -96,6 +104,14 @@ def measure(rounds: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
     from pipejax.pp_utils import IntermediateTensors, TransferServerTransport
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    capture, capture_path = None, None
+    if wire:  # started first, so it sees every transfer's packets
+        capture_path = f"/tmp/pipejax-wire-{os.getpid()}.json"
+        capture = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                 "loopback_wire.py"), capture_path],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        if capture.stdout.readline().strip() != "ready":
+            raise RuntimeError("the loopback capture did not start (it needs root for an AF_PACKET socket)")
     child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sender",
                               ",".join(str(rows) for rows in sizes.values())], env=env,
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
@@ -117,10 +133,12 @@ def measure(rounds: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
         specs = {rows: IntermediateTensors({"hidden_states": np.zeros((rows, HIDDEN), np.float32)}).spec(
             {"hidden_states": device}) for rows in sizes.values()}
         receive_s: list[float] = []  # the whole receive call
+        windows: list[tuple[str, str, int, int]] = []  # (size label, kind, realtime ns before "go", after usable)
 
         def once(kind: str, rows: int) -> float:
             step = next(steps)
             nbytes = rows * HIDDEN * 4
+            start_ns = time.time_ns()
             start = time.perf_counter()
             control.send_string(f"{kind.replace(' ', '_')} {rows} {step}")
             if kind == "zmq":
@@ -137,8 +155,11 @@ def measure(rounds: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
                 got = raw_conn.pull(RAW_BASE + step, [struct])[0]
                 got.block_until_ready()
             elapsed = time.perf_counter() - start
+            windows.append((label_of[rows], kind, start_ns, time.time_ns()))
             assert float(np.asarray(got).reshape(-1)[0]) == rows
             return elapsed
+
+        label_of = {rows: label for label, rows in sizes.items()}
 
         out = {}
         for label, rows in sizes.items():
@@ -170,20 +191,38 @@ def measure(rounds: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
             out[label]["send_call_ms"] = {k: summary([t * 1e3 for t in sends.get(f"{k.replace(' ', '_')} {rows}", [])])[
                 "median"] for k in KINDS}
         child.wait(timeout=30)
+        if capture is not None:
+            capture.terminate()
+            capture.wait(timeout=30)
+            with open(capture_path) as f:
+                packets = json.load(f)
+            for label in sizes:
+                per_kind = {k: [loopback_wire.wire_ms(packets, a, b, int(control_port))
+                                for lab, k2, a, b in windows if lab == label and k2 == k] for k in KINDS}
+                timed = {k: [ms for ms in v[-rounds:] if ms is not None] for k, v in per_kind.items()}
+                out[label]["wire_ms"] = {k: summary(v) for k, v in timed.items()}
+                out[label]["wire_missing"] = {k: sum(ms is None for ms in v[-rounds:]) for k, v in per_kind.items()}
         return {"sizes": out, "rounds": rounds}
     finally:
         if child.poll() is None:
             child.kill()
         child.stdout.close()
+        if capture is not None:
+            if capture.poll() is None:
+                capture.kill()
+            capture.stdout.close()
+            if os.path.exists(capture_path):
+                os.unlink(capture_path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="timed transfers per kind and size (default 30)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--wire", action="store_true", help="also time each transfer's packets on lo (root)")
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    result = measure(args.rounds)
+    result = measure(args.rounds, wire=args.wire)
     print(f"median GB/s [min-max] (latency ms) over {result['rounds']} rounds; ratio = ZMQ time / transport time")
     print()
     print("| size | " + " | ".join(KINDS) + " | transport / zmq |")
@@ -192,6 +231,16 @@ def main() -> None:
         cells = [f"{s['gbps'][k]['median']:.2f} [{s['gbps'][k]['min']:.2f}-{s['gbps'][k]['max']:.2f}] "
                  f"({s['latency_ms'][k]['median']:.3f})" for k in KINDS]
         print(f"| {label} | " + " | ".join(cells) + f" | {s['ratio']['median']:.2f} |")
+    if args.wire:
+        print()
+        print("On the wire (kernel timestamps on lo, the receiver's 'go' to the last data packet): median ms [min-max]")
+        print("| size | " + " | ".join(KINDS) + " | zmq / raw pull | zmq / transport |")
+        print("|---|" + "---:|" * (len(KINDS) + 2))
+        for label, s in result["sizes"].items():
+            w = s["wire_ms"]
+            cells = [f"{w[k]['median']:.3f} [{w[k]['min']:.3f}-{w[k]['max']:.3f}] (n={w[k]['n']})" for k in KINDS]
+            print(f"| {label} | " + " | ".join(cells) + f" | {w['zmq']['median'] / w['raw pull']['median']:.2f} | "
+                  f"{w['zmq']['median'] / w['transport']['median']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
