@@ -14,7 +14,7 @@ import ray
 from ray.dag import InputNode
 from ray.exceptions import RayChannelError, RayChannelTimeoutError
 
-from pipejax.ray_executor.executor.graph_channel import WaitingChannel, WaitingChannelType
+from pipejax.ray_executor.executor.graph_channel import WaitingChannel, WaitingChannelType, give_waiting_edges
 
 
 @ray.remote(num_cpus=0)
@@ -129,3 +129,19 @@ def test_close_ends_a_blocked_read_and_a_read_times_out(ray_local):
     assert how == "RayChannelError" and after < 1.0, (how, after)
     assert ray.get(reader.read.remote(channel, 0.2), timeout=30) == "RayChannelError"  # closed stays closed
     assert issubclass(RayChannelTimeoutError, RayChannelError)  # why a timeout is named, not just caught
+
+
+def test_give_waiting_edges_to_a_graph_built_elsewhere(ray_local):
+    """What vLLM's compiled-graph executor gets (vllm_plugin): every edge without a transport of its own, the
+    input's included, becomes a zmq edge; the graph then runs on them."""
+    a, b = Node.remote(), Node.remote()
+    with InputNode() as inp:
+        first = a.add.bind(inp).with_tensor_transport("auto")  # vLLM's pp edges ask for "auto"
+        last = b.add.bind(first)
+    assert give_waiting_edges(last) == 3
+    assert all(isinstance(n.type_hint, WaitingChannelType) for n in (inp, first, last))
+    graph = last.experimental_compile()
+    try:
+        assert ray.get(graph.execute(1), timeout=30) == 3
+    finally:
+        graph.teardown(kill_actors=True)

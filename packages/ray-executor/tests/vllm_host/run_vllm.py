@@ -56,6 +56,8 @@ def run_vllm(spec: dict) -> dict:
             out = done[0].outputs[0]
             result["chat"] = {"text": out.text, "finish_reason": out.finish_reason, "output": list(out.token_ids)}
         result["stats"] = llm.collective_rpc("pipejax_stats")
+        if os.environ.get("VLLM_USE_RAY_V2_EXECUTOR_BACKEND") == "0":  # a function: VLLM_ALLOW_INSECURE_SERIALIZATION
+            result["zmq_edge_ends"] = llm.collective_rpc(_zmq_edge_ends)
         return result
     finally:
         try:
@@ -64,6 +66,13 @@ def run_vllm(spec: dict) -> dict:
             pass
         if ray is not None:
             ray.shutdown()
+
+
+def _zmq_edge_ends(worker) -> int:
+    """In a worker: the compiled-graph edge ends on pipejax's zmq channel this process holds (0: none, or no
+    compiled graph)."""
+    graph_channel = sys.modules.get("pipejax.ray_executor.executor.graph_channel")
+    return graph_channel.edge_ends_here() if graph_channel else 0
 
 
 def _kill_stage_while_generating(llm, spec: dict) -> dict:

@@ -194,6 +194,33 @@ class WaitingChannel(ChannelInterface):
         return endpoint.sockets
 
 
+def edge_ends_here() -> int:
+    """How many edge ends (a writer's sockets, or a reader's) this process holds open."""
+    with _endpoints_lock:
+        return sum(1 for e in _endpoints.values() if e.sockets and not e.closed)
+
+
+def give_waiting_edges(root) -> int:
+    """Give every edge of the graph ending at ``root`` that has no transport of its own a ``WaitingChannelType``
+    (for a graph someone else builds: vLLM's compiled-graph executor); returns how many edges it changed.
+    Edges asked to carry tensors over an accelerator (``with_tensor_transport("nccl")``) keep their transport."""
+    from ray.dag import ClassMethodNode, InputNode
+    from ray.experimental.channel.auto_transport_type import AutoTransportType
+
+    changed, seen, stack = 0, set(), [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, ClassMethodNode | InputNode) and type(node.type_hint) in (ChannelOutputType,
+                                                                                   AutoTransportType):
+            node.type_hint = WaitingChannelType()
+            changed += 1
+        stack.extend(node._get_all_child_nodes())
+    return changed
+
+
 def _deadline(timeout: float | None) -> float | None:
     """Ray's convention: None or -1 waits without end, 0 tries once."""
     if timeout is None or timeout < 0:
