@@ -1,5 +1,5 @@
 """Ray Compiled Graph mode: the stage actors chained in a compiled graph that carries only small
-control messages over its shared-memory channels.
+control messages, over zmq edges whose readers sleep (``graph_channel``; Ray's shared-memory channel on request).
 
 Activations do not ride the graph: every stage moves them through the very same PP transport
 (its JAX transfer server, keyed by step id) that the plain mode uses — one PP communicator for
@@ -18,7 +18,6 @@ from typing import Any
 
 from ray.dag import DAGContext, InputNode
 
-from pipejax.ray_executor.config import GRAPH_CHANNELS
 from pipejax.ray_executor.executor.graph_channel import WaitingChannelType
 
 CONTROL_BUFFER_BYTES = 8 << 20  # sized up front: a channel that grows at run time can hang teardown
@@ -43,27 +42,24 @@ class CompiledPipeline:
         """``describe_error`` turns a Ray error of a step (a dead actor, a channel timeout) into the error
         the engine reports (the executor names the stage and its host). ``channel``: the edges' channel,
         ``"zmq"`` (readers sleep until a message comes: ``graph_channel``) or ``"shared_memory"`` (Ray's own,
-        whose readers spin)."""
-        if channel not in GRAPH_CHANNELS:
-            raise ValueError(f"graph channel {channel!r} is not one of {GRAPH_CHANNELS}")
+        whose readers spin; ``RayConfig.graph_channel`` checks the name)."""
         context = DAGContext.get_current()
         # A step may include a first-time JIT compile; the defaults (10 s) are for microsecond graphs.
         context.get_timeout = int(get_timeout_s)
         context.submit_timeout = int(get_timeout_s)
         context.read_iteration_timeout = int(get_timeout_s)
         context.teardown_timeout = TEARDOWN_TIMEOUT_S
-        # A linear chain: the driver writes only to stage 0, every stage reads only its predecessor.
-        # Every stage after the first also reads the batch from the driver, to start pulling its activations
-        # before its predecessor's control message comes (as plain mode's prefetch calls do).
+        # A chain: every stage reads its predecessor's control message (stage 0 the driver's batch). Every stage
+        # after the first also reads the batch from the driver, to start pulling its activations before that
+        # message comes (as plain mode's prefetch calls do).
         with InputNode() as batch:
+            if channel == "zmq":  # the batch reaches stage 0 first: the others only start pulls with it
+                batch.type_hint = WaitingChannelType(first_reader=actors[0])
             node = batch
-            for rank, actor in enumerate([None, *actors]):
-                if rank == 1:
-                    node = actor.execute_step.bind(node)
-                elif rank > 1:
-                    node = actor.execute_step.bind(node, actor.prefetch_step.bind(batch))
-                if channel == "zmq":  # the batch reaches stage 0 first: the others only start pulls with it
-                    node.type_hint = WaitingChannelType(first_reader=actors[0] if rank == 0 else None)
+            for rank, actor in enumerate(actors):
+                node = actor.execute_step.bind(node, *([actor.prefetch_step.bind(batch)] if rank else []))
+                if channel == "zmq":
+                    node.type_hint = WaitingChannelType()
         self.graph = node.experimental_compile(
             _max_inflight_executions=max_inflight, _buffer_size_bytes=CONTROL_BUFFER_BYTES
         )

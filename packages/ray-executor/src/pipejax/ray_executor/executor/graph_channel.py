@@ -31,7 +31,6 @@ _POLL_SLICE_S = 0.05  # a blocked read looks at ``close`` this often (teardown c
 _SEND_HWM = 1024  # control messages queued per edge before a write waits (far above max in-flight steps)
 
 
-
 class _Endpoint:
     """This process's end of one edge. Kept per process, by channel id, not on the channel object: Ray
     pickles channel objects between processes (the writer's to the driver and back into its task list,
@@ -81,17 +80,9 @@ class WaitingChannel(ChannelInterface):
 
     @classmethod
     def bind(cls, host: str, reader_ids: tuple[str, ...]) -> WaitingChannel:
-        sockets, addresses = [], []
-        for _ in reader_ids:
-            socket = zmq.Context.instance().socket(zmq.PUSH)
-            socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-            socket.setsockopt(zmq.LINGER, 0)
-            if ":" in host:
-                socket.setsockopt(zmq.IPV6, 1)
-            hostport = f"[{host}]" if ":" in host else host
-            port = socket.bind_to_random_port(f"tcp://{hostport}")
-            sockets.append(socket)
-            addresses.append(f"tcp://{hostport}:{port}")
+        hostport = f"[{host}]" if ":" in host else host  # an IPv6 address goes in brackets
+        sockets = [_socket(zmq.PUSH, hostport) for _ in reader_ids]
+        addresses = [f"tcp://{hostport}:{socket.bind_to_random_port(f'tcp://{hostport}')}" for socket in sockets]
         channel = cls(uuid.uuid4().hex, tuple(addresses), reader_ids)
         with _endpoints_lock:
             _endpoints[channel.channel_id] = _Endpoint(sockets)
@@ -171,10 +162,7 @@ class WaitingChannel(ChannelInterface):
             endpoint = _endpoints.get(self.channel_id)
             if endpoint is None:
                 address = self.addresses[self._reader_index()]
-                socket = zmq.Context.instance().socket(zmq.PULL)
-                socket.setsockopt(zmq.LINGER, 0)
-                if address.startswith("tcp://["):
-                    socket.setsockopt(zmq.IPV6, 1)
+                socket = _socket(zmq.PULL, address)
                 socket.connect(address)
                 endpoint = _endpoints[self.channel_id] = _Endpoint([socket])
         return endpoint
@@ -219,6 +207,18 @@ def give_waiting_edges(root) -> int:
             changed += 1
         stack.extend(node._get_all_child_nodes())
     return changed
+
+
+def _socket(kind: int, where: str) -> zmq.Socket:
+    """A PUSH (bounded queue) or PULL socket that drops unsent messages at close; IPv6 where ``where`` (a host or
+    an address) is one."""
+    socket = zmq.Context.instance().socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+    if "[" in where:
+        socket.setsockopt(zmq.IPV6, 1)
+    return socket
 
 
 def _deadline(timeout: float | None) -> float | None:
