@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from pipejax.runner.cpu import ffi
+from pipejax.runner.cpu.prefetch import LINE, prefetch
 from pipejax.runner.cpu.vector_exp import softmax_numerators
 
 _ARGS = 7  # q, k_cache, v_cache, layer, block_tables, start_pos, sliding_window
@@ -51,10 +52,21 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
     for h in range(h_lo, h_hi):
         for d in range(D):
             qs[h, d] = q[r, h, d] * scale
-    for b in range(lo // block_size, (hi - 1) // block_size + 1):
+    b_last = (hi - 1) // block_size
+    k_addr, v_addr, slot_bytes = k_flat.ctypes.data, v_flat.ctypes.data, slot_stride * 4
+    for b in range(lo // block_size, b_last + 1):
         block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+        # the hardware prefetcher cannot guess the row's next block: each slot fetches its place in the next
+        # block's keys, and in this block's values (read by the second pass). 12 layers x 64 rows x 129 slots, each
+        # layer's cache from memory, 2 threads: 14.4 against 20.5 ms without (Intel Xeon, 2026-12-06)
+        k_next = k_addr + (layer_base + tables[r, min(b + 1, b_last)] * block_stride) * 4
+        v_here = v_addr + (layer_base + tables[r, b] * block_stride) * 4
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
             slot = block[(c - b * block_size) * slot_stride:][:slot_stride]  # [K, D]
+            at = (c - b * block_size) * slot_bytes
+            for line in range(0, slot_bytes, LINE):
+                prefetch(k_next + at + line)
+                prefetch(v_here + at + line)
             for h in range(h_lo, h_hi):
                 key = slot[(h // G) * D:][:D]
                 s = np.float32(0.0)

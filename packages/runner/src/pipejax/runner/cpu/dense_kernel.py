@@ -19,6 +19,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from pipejax.runner.cpu import prefetch
 from pipejax.runner.cpu.dense import ADD, GATED, ROUTED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.isa import vector_lanes
@@ -31,16 +32,18 @@ ROW_TILES = (8, 4, 2, 1) if VECTORS <= 2 else (3, 2, 1)  # rows per microkernel 
 
 
 def _microkernel(rows: int, add: bool):
-    """An intrinsic ``(x, ldx, w, out, ldo, kc)`` (addresses, strides in floats): ``out[r, :32] = sum_k x[r, k]
-    * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]. ``add``: ``out[r, :32] +=`` instead, the sum
-    added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot)."""
+    """An intrinsic ``(x, ldx, w, out, ldo, kc, ahead, ahead_rows)`` (addresses, strides in floats): ``out[r, :32]
+    = sum_k x[r, k] * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]. ``add``: ``out[r, :32] +=``
+    instead, the sum added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot).
+    Its first ``ahead_rows`` steps also prefetch one panel row (128 bytes) each from ``ahead`` on into L2: the next
+    panel's share of this tile (``_tiles``), so that the weight's stream from memory runs under the arithmetic."""
 
     @intrinsic
-    def kernel(typingctx, x, ldx, w, out, ldo, kc):
-        sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64, types.int64)
+    def kernel(typingctx, x, ldx, w, out, ldo, kc, ahead, ahead_rows):
+        sig = types.void(*[types.int64] * 8)
 
         def codegen(context, builder, signature, args):
-            x_addr, ldx, w_addr, out_addr, ldo, kc = args
+            x_addr, ldx, w_addr, out_addr, ldo, kc, ahead, ahead_rows = args
             i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
             vec = ir.VectorType(f32, LANES)
             module = builder.module
@@ -53,6 +56,8 @@ def _microkernel(rows: int, add: bool):
             done = builder.function.append_basic_block("panel.done")
             builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
 
+            fetch, latch = (builder.function.append_basic_block(f"panel.{n}") for n in ("ahead", "latch"))
+
             builder.position_at_end(loop)  # one input row k: 2 weight registers, `rows` broadcasts, 2 FMAs each
             k = builder.phi(i64)
             acc = [builder.phi(vec) for _ in range(VECTORS * rows)]
@@ -64,6 +69,13 @@ def _microkernel(rows: int, add: bool):
                 xr = builder.load(builder.gep(x0, [builder.add(builder.mul(ir.Constant(i64, r), ldx), k)]))
                 xv = builder.shuffle_vector(builder.insert_element(undef, xr, ir.Constant(i32, 0)), undef, splat)
                 new += [builder.call(fma, [xv, halves[h], acc[VECTORS * r + h]]) for h in range(VECTORS)]
+            builder.cbranch(builder.icmp_signed("<", k, ahead_rows), fetch, latch)
+            builder.position_at_end(fetch)
+            row = builder.add(ahead, builder.mul(k, ir.Constant(i64, PANEL * 4)))
+            for line in range(0, PANEL * 4, prefetch.LINE):
+                prefetch.emit(builder, builder.add(row, ir.Constant(i64, line)))
+            builder.branch(latch)
+            builder.position_at_end(latch)
             k_next, tail = builder.add(k, ir.Constant(i64, 1)), builder.block
             k.add_incoming(ir.Constant(i64, 0), entry)
             k.add_incoming(k_next, tail)
@@ -93,6 +105,12 @@ def _microkernel(rows: int, add: bool):
     return kernel
 
 
+@numba.njit(inline="always")
+def _part(ahead, share, t, kc):
+    """Tile ``t``'s part of the next panel's prefetch: its first row's address and how many rows (``share`` each)."""
+    return ahead + t * share * PANEL * 4, max(min(share, kc - t * share), 0)
+
+
 def _row_tiles(add: bool):
     """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height in
     ``ROW_TILES``: the tallest while it fits, then each smaller one at most once."""
@@ -104,36 +122,43 @@ def _row_tiles(add: bool):
     r_a, r_b, r_c = rest
 
     @numba.njit(inline="always")
-    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc):
-        i = 0
+    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead):
+        calls, rest = m // top, m % top  # the tiles this panel takes: each prefetches its share of ``ahead``
+        for r in (r_a, r_b, r_c):
+            if r and rest >= r:
+                calls, rest = calls + 1, rest - r
+        share = -(-kc // max(calls, 1)) if ahead else 0
+        i = t = 0
         while i + top <= m:
-            k_top(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += top
+            k_top(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            i, t = i + top, t + 1
         if r_a and i + r_a <= m:
-            k_a(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += r_a
+            k_a(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            i, t = i + r_a, t + 1
         if r_b and i + r_b <= m:
-            k_b(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
-            i += r_b
+            k_b(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            i, t = i + r_b, t + 1
         if r_c and i + r_c <= m:
-            k_c(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc)
+            k_c(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
 
     return tiles
 
 
 # ``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w`` [kc, 32]:
-# tiles of ``ROW_TILES`` rows. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``.
+# tiles of ``ROW_TILES`` rows. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``. The last argument, ``ahead``,
+# is the address of the panel to come (prefetched into L2 while this one is multiplied), or 0 for none.
 rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
 
 
 @numba.njit(inline="always")
 def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add):
-    n = panels * PANEL
-    w_p, out_p = w_addr + p * kc * PANEL * 4, out_addr + p * PANEL * 4
+    n, panel = panels * PANEL, kc * PANEL * 4
+    w_p, out_p = w_addr + p * panel, out_addr + p * PANEL * 4
+    ahead = w_p + panel if p + 1 < panels else 0
     if add:
-        rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc)
+        rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
     else:
-        rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc)
+        rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
 
 
 @numba.njit(cache=True)
@@ -161,8 +186,11 @@ def _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up):
     out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
     for b0 in range(0, m, GLU_ROWS):
         rows = min(GLU_ROWS, m - b0)
-        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + p * panel, gate.ctypes.data, PANEL, rows, kc)
-        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + (p + half) * panel, up.ctypes.data, PANEL, rows, kc)
+        ahead = b0 + GLU_ROWS >= m and p + 1 < half  # the next pair's panels, over this pair's last block
+        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + p * panel, gate.ctypes.data, PANEL, rows, kc,
+                         w_addr + (p + 1) * panel if ahead else 0)
+        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + (p + half) * panel, up.ctypes.data, PANEL, rows, kc,
+                         w_addr + (p + 1 + half) * panel if ahead else 0)
         for i in range(rows):
             o, g, u = out[b0 + i, p * PANEL:(p + 1) * PANEL], gate[i], up[i]
             for c in range(PANEL):

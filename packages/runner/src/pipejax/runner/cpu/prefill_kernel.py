@@ -69,7 +69,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
         seen = min(max(start_pos[r] + (j0 + m - 1) // G, 0) + 1, context)  # slots the tile's last row sees
         for p in range(-(-seen // PANEL)):
             rows_times_panel(qs.ctypes.data + j0 * D * 4, D, keys.ctypes.data + p * D * PANEL * 4,
-                             scores.ctypes.data + (j0 * width + p * PANEL) * 4, width, m, D)
+                             scores.ctypes.data + (j0 * width + p * PANEL) * 4, width, m, D, 0)
         for j in range(j0, j0 + m):  # softmax over the slots row j sees; zero for the rest of the tile's
             pos = max(start_pos[r] + j // G, 0)
             hi = min(pos + 1, context)
@@ -81,7 +81,7 @@ def _attend(q, k_flat, v_flat, cache_shape, layer, tables, query_start, start_po
                 scores[j, c] = 0.0
         for p in range(D // PANEL):
             rows_times_panel(scores.ctypes.data + j0 * width * 4, width, values.ctypes.data + p * width * PANEL * 4,
-                             acc.ctypes.data + (j0 * D + p * PANEL) * 4, D, m, seen)
+                             acc.ctypes.data + (j0 * D + p * PANEL) * 4, D, m, seen, 0)
         for j in range(j0, j0 + m):
             t, h = j // G, kh * G + j % G
             inv = np.float32(1.0) / totals[j - j0]

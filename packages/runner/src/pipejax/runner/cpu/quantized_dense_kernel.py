@@ -314,9 +314,9 @@ def _panel_into(kind, x_addr, kc, q_addr, s_addr, o_addr, xs_addr, panel_q, pane
             nk = min(CHUNK, kc - k0)
             _dequantize(kind, q_p, s_p, o_p, chunks, k0 // BLOCK, nk, buf)
             if k0 == 0:
-                rows_times_panel(x_addr, kc, buf, dest, ldd, m, nk)
+                rows_times_panel(x_addr, kc, buf, dest, ldd, m, nk, 0)
             else:
-                rows_plus_panel(x_addr + k0 * 4, kc, buf, dest, ldd, m, nk)
+                rows_plus_panel(x_addr + k0 * 4, kc, buf, dest, ldd, m, nk, 0)
         return
     ldxs = kc // BLOCK
     if kind == KIND_8BIT:
