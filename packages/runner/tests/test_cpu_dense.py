@@ -205,3 +205,21 @@ def test_routed_experts(rows, k, routing):
             want[t] += weights[t, j] * (act @ down[layer, chosen[t, j]])
     got = jax.jit(cpu_dense.routed_experts)(x, gu, dn, layer * X, chosen, weights, residual)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kc", [1, 7, 48, 768, 2049])
+@pytest.mark.parametrize("tiles", [1, 3, 8, 22, 64])
+def test_the_next_panels_prefetch_is_shared_by_the_tiles_without_gap_or_overlap(kc, tiles):
+    """Each row tile of a panel prefetches its part of the next panel (``dense_kernel._part``): together the tiles'
+    parts cover the next panel's kc rows of 32 floats once each, in order, whatever kc and the number of tiles."""
+    from pipejax.runner.cpu import dense_kernel
+
+    ahead, share, row = 1 << 20, -(-kc // tiles), PANEL * 4
+    covered = 0
+    for t in range(tiles):
+        start, rows = dense_kernel._part.py_func(ahead, share, t, kc)
+        assert rows >= 0 and rows <= kc
+        if rows:
+            assert start == ahead + covered * row, (t, start, covered)
+            covered += rows
+    assert covered == kc
