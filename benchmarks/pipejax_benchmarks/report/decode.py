@@ -126,8 +126,8 @@ def _parts(dd: dict[str, Any]) -> list[str]:
                 "(`StageRunner(dense_matmuls=...)`, \"cpu-kernel\" by default for float32 on CPU; "
                 "`pipejax.runner.cpu.dense`, an XLA FFI custom call compiled by numba). The stage stores each "
                 "dense weight in panels of 32 output columns (`panels.Panels`), so that the kernel streams a "
-                "panel from contiguous memory while its 8 × 32 output tiles stay in registers; prefill steps run "
-                "on it too. The dense matmuls alone, same rounds, median ms: "
+                "panel from contiguous memory while its 12 × 32 output tiles (AVX-512) stay in registers; prefill "
+                "steps run on it too. The dense matmuls alone, same rounds, median ms: "
                 + by_batch({n: t for n, t in loop.items() if t.get("kernel_ms")},
                             lambda t: f"kernel {fmt(t['kernel_ms'])}, XLA's dot {fmt(t['per_layer_ms'])}")
                 + ". The runner's decode step both ways, alternated, median ms: "
