@@ -39,7 +39,7 @@ def _microkernel(rows: int, add: bool):
     = sum_k x[r, k] * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]. ``add``: ``out[r, :32] +=``
     instead, the sum added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot).
     Its first ``ahead_rows`` steps also prefetch one panel row (128 bytes) each from ``ahead`` on into L2: the next
-    panel's share of this tile (``_tiles``), so that the weight's stream from memory runs under the arithmetic."""
+    panel's share of this tile (``_part``), so that the weight's stream from memory runs under the arithmetic."""
 
     @intrinsic
     def kernel(typingctx, x, ldx, w, out, ldo, kc, ahead, ahead_rows):
