@@ -21,12 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = """
 import json, os, sys
 sys.path.insert(0, {bench!r})
+from pipejax_benchmarks.sections.common import NUM_PROMPTS, OUTPUT_LEN
 from pipejax_benchmarks.sections.throughput import PipejaxSide
 from pipejax.runner.builtin_model import cache_dir_from_env, ensure_builtin_model
 import pipejax.runner.runner as runner
-side = PipejaxSide(str(ensure_builtin_model("bench", cache_dir_from_env(os.environ))), [64],
+side = PipejaxSide(str(ensure_builtin_model("bench", cache_dir_from_env(os.environ))), [NUM_PROMPTS],
                    engine_args=json.loads({args!r}) or None)
-tps = [4096 / side.run(64, greedy={greedy})["seconds"] for _ in range({runs})]
+tps = [NUM_PROMPTS * OUTPUT_LEN / side.run(NUM_PROMPTS, greedy={greedy})["seconds"] for _ in range({runs})]
 side.close()
 print("RESULT", json.dumps({{"tps": tps, "runner": runner.__file__}}))
 """

@@ -58,7 +58,8 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
         block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
         # the hardware prefetcher cannot guess the row's next block: each slot fetches its place in the next
         # block's keys, and in this block's values (read by the second pass). 12 layers x 64 rows x 129 slots, each
-        # layer's cache from memory, 2 threads: 14.4 against 20.5 ms without (Intel Xeon, 2026-12-06)
+        # layer's cache from memory, 2 threads: 14.4 against 20.5 ms without (the kernel alone; in the decode step,
+        # benchmarks/probes/step_profile.py: 1.28 against 1.69 ms a layer; Intel Xeon, 2026-12-06)
         k_next = k_addr + (layer_base + tables[r, min(b + 1, b_last)] * block_stride) * 4
         v_here = v_addr + (layer_base + tables[r, b] * block_stride) * 4
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):

@@ -29,8 +29,9 @@ from pipejax.runner.panels import PANEL
 LANES = vector_lanes()  # float32 lanes of the target's vector registers
 VECTORS = PANEL // LANES  # registers per row of a tile
 # rows per microkernel call, tallest first: the smaller ones (each taken at most once) cover any remainder. With
-# AVX-512, 12 rows x 2 zmm keep 24 of the 32 registers accumulating: 303-310 against 269-285 GFLOP/s for 8 rows
-# (48 x 768 x 4096, one weight again and again; Intel Xeon, 2026-12-06)
+# AVX-512, 12 rows x 2 zmm keep 24 of the 32 registers accumulating: 291-297 against 266-272 GFLOP/s for 8 rows
+# (64 x 768 x 4096 on one weight again and again, benchmarks/probes/dense_kernel_stream.py; measured only on an
+# Intel Xeon, 2026-12-06: whether the kernel beats XLA's dot on a given CPU is still measured by ``select``)
 ROW_TILES = (12, 8, 4, 2, 1) if VECTORS <= 2 else (3, 2, 1)
 
 

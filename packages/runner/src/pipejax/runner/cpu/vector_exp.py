@@ -16,9 +16,10 @@ from numba import types
 from numba.extending import intrinsic
 
 _LOG2E, _LN2_HI, _LN2_LO = 1.44269504, 0.693359375, -2.12194440e-4
-# exp(r) on [-ln2 / 2, ln2 / 2], Cephes' expf polynomial (relative error below float32's epsilon)
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
-_EXP_POLY32 = tuple(np.float32(c) for c in _EXP_POLY)  # float32 constants: Python floats would make it float64
+# exp(r) on [-ln2 / 2, ln2 / 2], Cephes' expf polynomial (relative error below float32's epsilon); float32 constants,
+# so that numba evaluates it in float32 (Python floats made it float64, converting every element)
+_EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                          1.6666665459e-1, 5.0000001201e-1))
 
 
 @intrinsic
@@ -43,7 +44,7 @@ def _bits_of(typingctx, x):
 def exp_f32(x):
     """exp(x) for a float32 ``x``, clamped to [-87, 88] (float32's normal range): a polynomial for the mantissa,
     2^n added to its exponent bits (relative error below 3e-7 against numpy's, test_cpu_vector_exp)."""
-    c0, c1, c2, c3, c4, c5 = _EXP_POLY32
+    c0, c1, c2, c3, c4, c5 = _EXP_POLY
     x = min(max(x, np.float32(-87.0)), np.float32(88.0))
     n = np.floor(x * np.float32(_LOG2E) + np.float32(0.5))  # a float32: math.floor gives an int64
     r = x - n * np.float32(_LN2_HI) - n * np.float32(_LN2_LO)
