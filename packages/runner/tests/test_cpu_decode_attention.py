@@ -46,10 +46,11 @@ def test_matches_numpy_attention(heads, window):
 
 
 @pytest.mark.parametrize("rows,kv_heads,B,spread", [(3, 4, 72, True), (9, 4, 8, True), (1, 1, 72, True),
-                                                     (2, 4, 6, False)])
+                                                     (2, 4, 6, False), (100, 2, 4, True)])
 def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads, B, spread):
     """Few rows: each row's KV heads are split between tasks (3 rows x 4 KV heads: unevenly); many: one task
-    per row; few rows of short context (2 x 96 slots): all on the calling thread."""
+    per row, and past ``_MAX_WORKERS`` rows (100) some tasks take two rows in turn, on the same scratch; few rows of
+    short context (2 x 96 slots): all on the calling thread."""
     from pipejax.runner.cpu import decode_kernel as cpu_decode_kernel
 
     assert (rows * B * BLOCK >= cpu_decode_kernel._MIN_PARALLEL_SLOTS) == spread  # the case tests what it says

@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from pipejax.runner.cpu import ffi
+from pipejax.runner.cpu.ffi import ptr
 from pipejax.runner.cpu.prefetch import LINE, prefetch
 from pipejax.runner.cpu.vector_exp import softmax_numerators
 
@@ -28,6 +29,14 @@ _MIN_TASKS = 8
 # one thread against 3.7-4.0 ms spread at 1 row, 3.8-4.1 against 6.7-7.8 at 4, 5.3-8.2 against 5.9-6.2 at 8,
 # 12.5-13.1 against 9.4-9.6 at 16 (profiler, 2026-12-01).
 _MIN_PARALLEL_SLOTS = 1024
+_MAX_WORKERS = 64  # tasks at most a parallel call spreads (each with its scratch); more rows share them in turn
+
+
+@numba.njit(inline="always")
+def _vector(addr, n):
+    """The ``n`` float32s at ``addr``: a view of no more than a pointer (a slice or a row of a numba array costs its
+    index checks in the innermost loops)."""
+    return numba.carray(ptr(addr), (n,), np.float32)
 
 
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
@@ -38,11 +47,16 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
     Walks the row's blocks in order and each slot's KV heads in memory order, so a row's K and V are each read
     as one forward stream: 2.6x faster on one core than a pass per KV head, which strides through the blocks
     (12 layers x 64 rows x 129 slots: 22 against 58 ms; a one-off probe, 2026-12-01). scores [H, B * block_size],
-    qs and acc [H, D], totals [H]: scratch."""
+    qs and acc [H, D], totals [H]: scratch.
+
+    The inner loops read keys, values, queries and sums through pointer views (``_vector``), the query heads of a
+    KV head after one another on its key or value: 12 layers x 64 rows x 129 slots, 2 threads, the kernel alone
+    (``benchmarks/probes/decode_attention_kernel.py``; Intel Xeon, 2026-12-06): 7.3-8.0 against 15.0-15.1 ms with
+    each layer's cache from memory, 6.4-6.6 against 10.7 from the caches, to the same bits."""
     _, H, D = q.shape
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
-    context = tables.shape[1] * block_size
+    context, width = tables.shape[1] * block_size, scores.shape[1]
     scale = np.float32(1.0 / math.sqrt(D))
     slot_stride = K * D
     block_stride, layer_base = block_size * slot_stride, layer * blocks * block_size * slot_stride
@@ -53,74 +67,86 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
         for d in range(D):
             qs[h, d] = q[r, h, d] * scale
     b_last = (hi - 1) // block_size
-    k_addr, v_addr, slot_bytes = k_flat.ctypes.data, v_flat.ctypes.data, slot_stride * 4
+    k_addr, v_addr, slot_bytes, head_bytes = k_flat.ctypes.data, v_flat.ctypes.data, slot_stride * 4, D * 4
+    qs_addr, acc_addr, scores_addr = qs.ctypes.data, acc.ctypes.data, scores.ctypes.data
     for b in range(lo // block_size, b_last + 1):
-        block = k_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+        here = (layer_base + tables[r, b] * block_stride) * 4  # the block's byte offset in either cache
         # the hardware prefetcher cannot guess the row's next block: each slot fetches its place in the next
         # block's keys, and in this block's values (read by the second pass). 12 layers x 64 rows x 129 slots, each
         # layer's cache from memory, 2 threads: 14.4 against 20.5 ms without (the kernel alone; in the decode step,
         # benchmarks/probes/step_profile.py: 1.28 against 1.69 ms a layer; Intel Xeon, 2026-12-06)
         k_next = k_addr + (layer_base + tables[r, min(b + 1, b_last)] * block_stride) * 4
-        v_here = v_addr + (layer_base + tables[r, b] * block_stride) * 4
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            slot = block[(c - b * block_size) * slot_stride:][:slot_stride]  # [K, D]
             at = (c - b * block_size) * slot_bytes
             for line in range(0, slot_bytes, LINE):
                 prefetch(k_next + at + line)
-                prefetch(v_here + at + line)
-            for h in range(h_lo, h_hi):
-                key = slot[(h // G) * D:][:D]
-                s = np.float32(0.0)
-                for d in range(D):
-                    s += qs[h, d] * key[d]
-                scores[h, c] = s
+                prefetch(v_addr + here + at + line)
+            for kh in range(kh_lo, kh_hi):
+                key = _vector(k_addr + here + at + kh * head_bytes, D)
+                for h in range(kh * G, (kh + 1) * G):
+                    qh = _vector(qs_addr + h * head_bytes, D)
+                    s = np.float32(0.0)
+                    for d in range(D):
+                        s += qh[d] * key[d]
+                    _vector(scores_addr + h * width * 4, width)[c] = s
     for h in range(h_lo, h_hi):
         totals[h] = softmax_numerators(scores[h], lo, hi)
         for d in range(D):
             acc[h, d] = 0.0
-    for b in range(lo // block_size, (hi - 1) // block_size + 1):
-        block = v_flat[layer_base + tables[r, b] * block_stride:][:block_stride]
+    for b in range(lo // block_size, b_last + 1):
+        here = (layer_base + tables[r, b] * block_stride) * 4
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            slot = block[(c - b * block_size) * slot_stride:][:slot_stride]
-            for h in range(h_lo, h_hi):
-                value = slot[(h // G) * D:][:D]
-                p = scores[h, c]
-                for d in range(D):
-                    acc[h, d] += p * value[d]
+            at = (c - b * block_size) * slot_bytes
+            for kh in range(kh_lo, kh_hi):
+                value = _vector(v_addr + here + at + kh * head_bytes, D)
+                for h in range(kh * G, (kh + 1) * G):
+                    a = _vector(acc_addr + h * head_bytes, D)
+                    p = _vector(scores_addr + h * width * 4, width)[c]
+                    for d in range(D):
+                        a[d] += p * value[d]
     for h in range(h_lo, h_hi):
         inv = np.float32(1.0) / totals[h]
         for d in range(D):
             out[r, h, d] = acc[h, d] * inv
 
 
+@numba.njit(fastmath=True, error_model="numpy")
+def _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, first, last, splits):
+    """Tasks [first, last) in turn, task t being row t // splits's part t % splits of its KV heads. A function of
+    its own, not inlined: ``_attend_row`` reads its scratch through pointers, which numba's parallel passes cannot
+    see (inlined into the parallel loop, its scratch was hoisted and reused wrongly)."""
+    H, D, K = q.shape[1], q.shape[2], cache_shape[3]
+    scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
+    qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
+    for task in range(first, last):
+        r, part = task // splits, task % splits
+        _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, part * K // splits,
+                    (part + 1) * K // splits, scores, qs, acc, totals)
+
+
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
 def _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
     """Every row in turn, on the calling thread."""
-    R, H, D = q.shape
-    scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
-    qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
-    for r in range(R):
-        _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, 0, cache_shape[3],
-                    scores, qs, acc, totals)
+    _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, 0, q.shape[0], 1)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
 def _attend_parallel(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out):
-    """The rows spread over numba's threads (TBB: safe for concurrent callers); with fewer than ``_MIN_TASKS``
-    rows, each row's KV heads are split between tasks too, so that a single long row is not left to one thread.
-    Calls with fewer than ``_MIN_PARALLEL_SLOTS`` context slots run on the calling thread."""
-    R, H, D = q.shape
+    """The rows spread over numba's threads (TBB: safe for concurrent callers) in up to ``_MAX_WORKERS`` tasks;
+    with fewer than ``_MIN_TASKS`` rows, each row's KV heads are split between tasks too, so that a single long row
+    is not left to one thread. Calls with fewer than ``_MIN_PARALLEL_SLOTS`` context slots run on the calling
+    thread."""
+    R = q.shape[0]
     K = cache_shape[3]
     if R * tables.shape[1] * cache_shape[2] < _MIN_PARALLEL_SLOTS:
         _attend(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out)
         return
     splits = min(K, -(-_MIN_TASKS // R))
-    for task in numba.prange(R * splits):
-        r, part = task // splits, task % splits
-        scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
-        qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
-        _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, part * K // splits,
-                    (part + 1) * K // splits, scores, qs, acc, totals)
+    tasks = R * splits
+    workers = min(tasks, _MAX_WORKERS)
+    for w in numba.prange(workers):
+        _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, w * tasks // workers,
+                      (w + 1) * tasks // workers, splits)
 
 
 @numba.njit(inline="always")
