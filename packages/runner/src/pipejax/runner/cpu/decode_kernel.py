@@ -51,8 +51,8 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
 
     The inner loops read keys, values, queries and sums through pointer views (``_vector``), the query heads of a
     KV head after one another on its key or value: 12 layers x 64 rows x 129 slots, 2 threads, the kernel alone
-    (``benchmarks/probes/decode_attention_kernel.py``; Intel Xeon, 2026-12-06): 7.3-8.0 against 15.0-15.1 ms with
-    each layer's cache from memory, 6.4-6.6 against 10.7 from the caches, to the same bits."""
+    (``benchmarks/probes/decode_attention_kernel.py``; Intel Xeon, 2026-12-06): 11.9-12.4 against 13.6-13.8 ms with
+    each layer's cache from memory, 8.2 against 9.8-9.9 from the caches, to the same bits."""
     _, H, D = q.shape
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
@@ -114,7 +114,8 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
 def _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, first, last, splits):
     """Tasks [first, last) in turn, task t being row t // splits's part t % splits of its KV heads. A function of
     its own, not inlined: ``_attend_row`` reads its scratch through pointers, which numba's parallel passes cannot
-    see (inlined into the parallel loop, its scratch was hoisted and reused wrongly)."""
+    see (inlined into the parallel loop, numba hoisted the scratch out of it, as its parallel diagnostics say, and
+    the results came out wrong)."""
     H, D, K = q.shape[1], q.shape[2], cache_shape[3]
     scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
     qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
