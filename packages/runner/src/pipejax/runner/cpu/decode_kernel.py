@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from pipejax.runner.cpu import ffi
-from pipejax.runner.cpu.ffi import ptr
+from pipejax.runner.cpu.ffi import float32s
 from pipejax.runner.cpu.prefetch import LINE, prefetch
 from pipejax.runner.cpu.vector_exp import softmax_numerators
 
@@ -32,13 +32,6 @@ _MIN_PARALLEL_SLOTS = 1024
 _MAX_WORKERS = 64  # tasks at most a parallel call spreads (each with its scratch); more rows share them in turn
 
 
-@numba.njit(inline="always")
-def _vector(addr, n):
-    """The ``n`` float32s at ``addr``: a view of no more than a pointer (a slice or a row of a numba array costs its
-    index checks in the innermost loops)."""
-    return numba.carray(ptr(addr), (n,), np.float32)
-
-
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
 def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh_lo, kh_hi, scores, qs,
                 acc, totals):
@@ -49,7 +42,7 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
     (12 layers x 64 rows x 129 slots: 22 against 58 ms; a one-off probe, 2026-12-01). scores [H, B * block_size],
     qs and acc [H, D], totals [H]: scratch.
 
-    The inner loops read keys, values, queries and sums through pointer views (``_vector``), the query heads of a
+    The inner loops read keys, values, queries and sums through pointer views (``ffi.float32s``), the query heads of a
     KV head after one another on its key or value: 12 layers x 64 rows x 129 slots, 2 threads, the kernel alone
     (``benchmarks/probes/decode_attention_kernel.py``; Intel Xeon, 2026-12-06): 11.9-12.4 against 13.6-13.8 ms with
     each layer's cache from memory, 8.2 against 9.8-9.9 from the caches, to the same bits."""
@@ -82,13 +75,13 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
                 prefetch(k_next + at + line)
                 prefetch(v_addr + here + at + line)
             for kh in range(kh_lo, kh_hi):
-                key = _vector(k_addr + here + at + kh * head_bytes, D)
+                key = float32s(k_addr + here + at + kh * head_bytes, D)
                 for h in range(kh * G, (kh + 1) * G):
-                    qh = _vector(qs_addr + h * head_bytes, D)
+                    qh = float32s(qs_addr + h * head_bytes, D)
                     s = np.float32(0.0)
                     for d in range(D):
                         s += qh[d] * key[d]
-                    _vector(scores_addr + h * width * 4, width)[c] = s
+                    float32s(scores_addr + h * width * 4, width)[c] = s
     for h in range(h_lo, h_hi):
         totals[h] = softmax_numerators(scores[h], lo, hi)
         for d in range(D):
@@ -98,10 +91,10 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
         for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
             at = (c - b * block_size) * slot_bytes
             for kh in range(kh_lo, kh_hi):
-                value = _vector(v_addr + here + at + kh * head_bytes, D)
+                value = float32s(v_addr + here + at + kh * head_bytes, D)
                 for h in range(kh * G, (kh + 1) * G):
-                    a = _vector(acc_addr + h * head_bytes, D)
-                    p = _vector(scores_addr + h * width * 4, width)[c]
+                    a = float32s(acc_addr + h * head_bytes, D)
+                    p = float32s(scores_addr + h * width * 4, width)[c]
                     for d in range(D):
                         a[d] += p * value[d]
     for h in range(h_lo, h_hi):

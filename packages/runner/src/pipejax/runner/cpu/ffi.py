@@ -47,6 +47,13 @@ def int64s(addr, n):
 
 
 @numba.njit(inline="always")
+def float32s(addr, n):
+    """The ``n`` float32s at ``addr``: a view of no more than a pointer (a slice or a row of a numba array costs its
+    index checks in a kernel's innermost loops)."""
+    return numba.carray(ptr(addr), (n,), np.float32)
+
+
+@numba.njit(inline="always")
 def frame_of(frame_addr):
     return int64s(frame_addr, 15)
 
