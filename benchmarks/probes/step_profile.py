@@ -81,7 +81,9 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(STEPS):
         step()
-    print(f"{what}: {(time.perf_counter() - start) / STEPS * 1e3:.1f} ms")
+    amx = runner.selection.dense_amx_rows
+    print(f"{what}: {(time.perf_counter() - start) / STEPS * 1e3:.1f} ms (dense kernel on "
+          f"{'the FMA tiles' if amx is None else f'AMX tiles from {amx} rows'})")
     folder = tempfile.mkdtemp(prefix="pipejax-step-profile-")
     options = jax.profiler.ProfileOptions()
     options.host_tracer_level, options.python_tracer_level = 3, 0

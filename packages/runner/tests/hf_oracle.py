@@ -25,12 +25,13 @@ class ChainedStages:
                  expert_parallel: bool = False,
                  decode_attention: str = "auto", decode_layers: str = "auto", few_row_dots: str = "auto",
                  dense_matmuls: str = "auto", prefill_attention: str = "auto", kernel_build: str = "wait",
-                 quantization: str | None = None, **cache):
+                 dense_tiles: str = "auto", quantization: str | None = None, **cache):
         meshes = stage_meshes(jax.devices(), pp, tp)
         model = ModelConfig.from_pretrained(path, quantization=quantization)
         cache_cfg = CacheConfig(block_size=block_size, num_blocks=num_blocks, **cache)
         choices = dict(decode_attention=decode_attention, decode_layers=decode_layers, few_row_dots=few_row_dots,
-                       dense_matmuls=dense_matmuls, prefill_attention=prefill_attention, kernel_build=kernel_build)
+                       dense_matmuls=dense_matmuls, prefill_attention=prefill_attention, kernel_build=kernel_build,
+                       dense_tiles=dense_tiles)
         self.stages = [StageRunner(path, m, StageConfig(i, pp, partition, expert_parallel), cache_cfg, model, **choices)
                        for i, m in enumerate(meshes)]
         self.links = [InProcessTransport(f"stage {i}") for i in range(pp - 1)]

@@ -98,6 +98,37 @@ def test_residual_added_in_place(rows):
         cpu_dense.matmul(x.reshape(rows, -1), stack.reshape(2, 3, 64, PANEL), 0, True, residual)
 
 
+AMX = pytest.mark.skipif(not cpu_dense.amx_ready(), reason="no AMX bf16 tiles on this CPU (or not granted)")
+
+
+@AMX
+@pytest.mark.parametrize("rows", [1, 17, 33, 300])
+def test_amx_tiles_match_numpy_in_every_mode(rows):
+    """On AMX's bf16 tiles (``amx_rows``; three bf16 pieces a value, six products): plain, gated and added to the
+    residual, a layer of stacked panels, rows that are not whole blocks of 16 or pairs of them, and a row group
+    boundary (300 rows: two groups of 256 with kc <= 1024), against numpy at the FMA kernel's tolerance; the
+    results differ from the FMA tiles' (the calls did run on AMX); a contraction of no whole blocks of 32 and
+    calls below ``amx_rows`` stay on the FMA tiles, bit for bit."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96), np.float32)
+    ws = rng.standard_normal((2, 96, 128), np.float32)
+    stack = jax.numpy.asarray(np.stack([_in_panels(w, 1) for w in ws]))  # [L, 4, 96, PANEL]
+    residual = jax.numpy.asarray(rng.standard_normal((rows, 128), np.float32))
+    on_amx = functools.partial(cpu_dense.matmul, amx_rows=1)
+    y = x.astype(np.float64) @ ws[1].astype(np.float64)
+    cases = {"plain": ({}, y), "gated": ({"gated": True}, y[:, :64] / (1 + np.exp(-y[:, :64])) * y[:, 64:]),
+             "added": ({"residual": residual}, np.asarray(residual, np.float64) + y)}
+    for name, (how, want) in cases.items():
+        got = np.asarray(jax.jit(functools.partial(on_amx, panels=stack, layer=1, **how))(x))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+        fma = np.asarray(jax.jit(functools.partial(cpu_dense.matmul, panels=stack, layer=1, **how))(x))
+        assert not np.array_equal(got, fma), name
+    above = np.asarray(jax.jit(lambda x: cpu_dense.matmul(x, stack, 1, amx_rows=rows + 1))(x))
+    np.testing.assert_array_equal(above, np.asarray(jax.jit(lambda x: cpu_dense.matmul(x, stack, 1))(x)))
+    x40, w40 = x[:, :40], jax.numpy.asarray(_in_panels(ws[0][:40], 1))[None]
+    np.testing.assert_array_equal(np.asarray(on_amx(x40, w40)), np.asarray(cpu_dense.matmul(x40, w40)))
+
+
 def test_kernel_is_built():
     """The kernel itself runs in the test above, not XLA's fallback: numba builds the handler here."""
     assert cpu_dense.prepare()

@@ -134,3 +134,50 @@ def test_the_kernel_build_setting_is_checked():
     with pytest.raises(ValueError, match="PIPEJAX_CPU_KERNEL_BUILD='soon'"):
         sel.cpu_kernel_build_from_env({"PIPEJAX_CPU_KERNEL_BUILD": "soon"})
     assert sel.cpu_kernel_build_from_env({}) == "background"
+
+
+def _amx_figures(kernel: float, amx: float) -> dict:
+    return {"kernel": kernel, "xla": 9.0, "amx": amx}
+
+
+def test_amx_tiles_run_from_the_rows_they_won_at():
+    """AMX's tiles from the decode rows where they won there; else from the rows above them where they won at the
+    prefill rows; never where they lost at the prefill rows or were not measured (a CPU without them)."""
+    assert sel.amx_rows({"decode": _amx_figures(1, 2), "prefill": _amx_figures(4, 3)}, 64) == 65
+    assert sel.amx_rows({"decode": _amx_figures(2, 1), "prefill": _amx_figures(4, 3)}, 64) == 64
+    assert sel.amx_rows({"decode": _amx_figures(2, 1), "prefill": _amx_figures(3, 4)}, 64) is None
+    assert sel.amx_rows({"decode": _figures(1, 2), "prefill": _figures(3, 4)}, 64) is None
+
+
+@pytest.mark.parametrize("amx_here", [True, False])
+def test_the_dense_tiles_follow_the_probe_or_the_option(monkeypatch, fresh, amx_here):
+    """"auto" takes AMX's tiles as their probe says, where the CPU has them; "vector" never; "amx" on every call,
+    and where the CPU has none it says what it needs. The kernel forced without a probe is measured for its tiles."""
+    from pipejax.runner.cpu import dense
+
+    calls: list = []
+
+    def measure(shapes, names):
+        calls.append(names)
+        table = {"dense_matmuls": {"decode": _amx_figures(1, 2), "prefill": _amx_figures(4, 3)},
+                 "decode_attention": {"decode": _figures(1, 2)}, "prefill_attention": {"prefill": _figures(1, 2)}}
+        return {n: {"choice": sel.verdict(table[n]), **table[n]} for n in names}
+
+    monkeypatch.setattr(sel, "measure", measure)
+    monkeypatch.setattr(dense, "amx_ready", lambda: amx_here)
+    mesh = stage_mesh(jax.devices()[:1])
+    got = sel.select(mesh, CFG, sel.KernelOptions(), LIMITS)
+    assert got.dense_matmuls == "cpu-kernel" and got.dense_amx_rows == (LIMITS.max_num_seqs + 1 if amx_here else None)
+    assert sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="vector"), LIMITS).dense_amx_rows is None
+    monkeypatch.setattr(sel, "_in_process", {})
+    forced = sel.select(mesh, CFG, sel.KernelOptions("cpu-kernel", "xla", "xla"), LIMITS)
+    assert calls[-1] == (("dense_matmuls",) if amx_here else ("dense_matmuls", "decode_attention", "prefill_attention"))
+    assert forced.dense_amx_rows == (LIMITS.max_num_seqs + 1 if amx_here else None)
+    if amx_here:
+        assert sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx"), LIMITS).dense_amx_rows == 1
+    else:
+        with pytest.raises(ValueError, match="dense_tiles='amx' needs a CPU with AMX's bf16 tiles .* use 'auto' or "
+                                             "'vector'"):
+            sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx"), LIMITS)
+    with pytest.raises(ValueError, match="dense_tiles='tf32'; use 'auto', 'vector' or 'amx'"):
+        sel.KernelOptions(dense_tiles="tf32")

@@ -81,14 +81,26 @@ def test_greedy_decode_matches_generate(checkpoints, arch, case):
 PANEL_FRIENDLY = dict(hidden_size=128, num_attention_heads=4, intermediate_size=128, vocab_size=256)
 
 
-@pytest.mark.parametrize("pp,tp,chunk,dense,tied", [(1, 1, None, "cpu-kernel", False), (2, 1, 4, "cpu-kernel", True),
-                                                    (1, 1, 4, "xla", True)],
-                         ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied"])
-def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense, tied):
+def _amx_here() -> bool:
+    from pipejax.runner.cpu import dense
+
+    return dense.amx_ready()
+
+
+@pytest.mark.parametrize("pp,tp,chunk,dense,tied,tiles", [
+    (1, 1, None, "cpu-kernel", False, "auto"), (2, 1, 4, "cpu-kernel", True, "auto"), (1, 1, 4, "xla", True, "auto"),
+    pytest.param(1, 1, 4, "cpu-kernel", True, "amx",
+                 marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU"))],
+    ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied", "pp1tp1-chunk4-tied-amx"])
+def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense, tied, tiles):
+    """Greedy decode over weights in panels matches transformers': on the dense kernel (its tiles as measured, or
+    every dense matmul on AMX's bf16 tiles at fp32 accuracy, "amx", where the CPU has them), or XLA's dot."""
     model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY, tie_word_embeddings=tied)
     expected = hf_greedy(model, PROMPTS, 32)
-    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense)
+    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense, dense_tiles=tiles)
     assert [s.dense_matmuls for s in stages.stages] == [dense] * pp
+    if tiles == "amx":
+        assert [s.selection.dense_amx_rows for s in stages.stages] == [1] * pp
     layers = ["layers.down", "layers.gate_up", "layers.o", "layers.qkv"] if dense == "cpu-kernel" else []
     for s in stages.stages:  # every dense weight in panels where the kernel runs; none otherwise
         # the LM head's weight, or the tied embedding wherever a stage holds it (the first stage's too)

@@ -59,6 +59,7 @@ class StageRunner:
         dense_matmuls: str = "auto",
         prefill_attention: str = "auto",
         kernel_build: str = "wait",
+        dense_tiles: str = "auto",
     ):
         self.model_path = Path(model_path)
         self.mesh = mesh
@@ -76,7 +77,7 @@ class StageRunner:
         self.seed = seed
         self.impl, self.impl_name = get_model_impl(model_impl), model_impl
         self._kernel_options = KernelOptions(dense_matmuls, decode_attention, prefill_attention, decode_layers,
-                                             few_row_dots, kernel_build)
+                                             few_row_dots, kernel_build, dense_tiles)
         # which CPU kernels run here: measured against XLA's formulation on this host where asked "auto"
         started = time.time()
         self.selection = self._select(self._kernel_options)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from pipejax.runner.cpu import isa
 from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.panels import swiglu
 
@@ -40,25 +41,42 @@ def prepare() -> bool:
     return _handler() is not None
 
 
-def for_mesh(mesh: Mesh) -> Callable | None:
+def for_mesh(mesh: Mesh, amx_rows: int | None = None) -> Callable | None:
     """The kernel for a stage on ``mesh``: on one device; None (XLA's dot) over several (which ``use_panels``
-    leaves in their own layout)."""
-    return matmul if mesh.devices.size == 1 else None
+    leaves in their own layout). ``amx_rows``: calls of that many rows or more run on AMX's tiles (``matmul``)."""
+    if mesh.devices.size != 1:
+        return None
+    if amx_rows is None:
+        return matmul
+    if not amx_ready():
+        raise RuntimeError("the dense kernel was asked to run on AMX's tiles, which this process cannot use")
+    return functools.partial(matmul, amx_rows=amx_rows)
+
+
+def amx_ready() -> bool:
+    """Whether this process can run the kernel's AMX path: numba's target has AMX's bf16 tiles and Linux granted
+    this process their state (asked here, once)."""
+    return isa.amx() and isa.grant_amx()
 
 
 # What a kernel call computes (its int32 mode operand): x @ w; silu(gate) * up; residual + x @ w, written over the
 # residual (a decoder layer's o and down projections); residual + a Mixture-of-Experts layer's routed experts.
 PLAIN, GATED, ADD, ROUTED = 0, 1, 2, 3
+AMX = 8  # a flag on PLAIN, GATED or ADD: the call runs on AMX's bf16 tiles at fp32 accuracy (``amx_kernel``)
+# the largest weight the AMX path splits into its tiles per call (6 bytes a weight): an LM head stays on the FMA tiles
+AMX_MAX_TILE_BYTES = 64 << 20
 
 
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
-           residual: jax.Array | None = None) -> jax.Array:
+           residual: jax.Array | None = None, amx_rows: int | None = None) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
     each pair of output tiles is still in cache (an MLP's gate_up: XLA would write both halves out and read them
     back). ``residual`` [M, P * PANEL]: the result is residual + x @ w, the kernel adding each output tile to the
-    residual in place (XLA's add would read the product back from memory written by another thread)."""
+    residual in place (XLA's add would read the product back from memory written by another thread).
+    ``amx_rows``: with at least that many rows (and a contraction of whole blocks of 32, a weight within
+    ``AMX_MAX_TILE_BYTES`` as tiles), the call runs on AMX's tiles (``for_mesh`` checks that it can)."""
     n = panels.shape[1] * panels.shape[3]
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
@@ -67,11 +85,14 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
         y = swiglu(y[:, : n // 2], y[:, n // 2:]) if gated else y
         return y if residual is None else residual + y
     layer = jnp.asarray(layer, jnp.int32)
+    kc = panels.shape[2]
+    amx = AMX if (amx_rows is not None and x.shape[0] >= amx_rows and kc % 32 == 0
+                  and n * kc * 6 <= AMX_MAX_TILE_BYTES) else 0
     if residual is not None:
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32), input_output_aliases={4: 0})
-        return call(x, panels, layer, jnp.int32(ADD), residual.astype(jnp.float32))
+        return call(x, panels, layer, jnp.int32(ADD | amx), residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
-    return call(x, panels, layer, jnp.int32(GATED if gated else PLAIN))
+    return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | amx))
 
 
 def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, first: jax.Array | int, chosen: jax.Array,

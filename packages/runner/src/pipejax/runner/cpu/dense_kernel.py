@@ -19,14 +19,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pipejax.runner.cpu import prefetch
-from pipejax.runner.cpu.dense import ADD, GATED, ROUTED
+from pipejax.runner.cpu import amx_kernel, isa, prefetch
+from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
-from pipejax.runner.cpu.isa import vector_lanes
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
 
-LANES = vector_lanes()  # float32 lanes of the target's vector registers
+LANES = isa.vector_lanes()  # float32 lanes of the target's vector registers
 VECTORS = PANEL // LANES  # registers per row of a tile
 # rows per microkernel call, tallest first: the smaller ones (each taken at most once) cover any remainder. With
 # AVX-512, 12 rows x 2 zmm keep 24 of the 32 registers accumulating: 291-297 against 266-272 GFLOP/s for 8 rows
@@ -369,8 +368,10 @@ def _operands(frame):
 
 
 @numba.njit(inline="always")
-def _by_mode(glu, matmul, mode, x_addr, w_addr, out_addr, m, kc, panels):
-    if mode == GATED:
+def _by_mode(glu, matmul, amx, mode, x_addr, w_addr, out_addr, m, kc, panels):
+    if mode & AMX:
+        amx(x_addr, w_addr, out_addr, m, kc, panels, (mode & ~AMX) == GATED, (mode & ~AMX) == ADD)
+    elif mode == GATED:
         glu(x_addr, w_addr, out_addr, m, kc, panels)
     else:
         matmul(x_addr, w_addr, out_addr, m, kc, panels, mode == ADD)
@@ -382,24 +383,35 @@ def _whole_frame(frame):
 
 
 @numba.njit(inline="always")
-def _call(frame, routed, glu, matmul):
-    """The call's kernel on its operands: the routed experts (``ROUTED`` mode), or a dense matmul."""
+def _call(frame, routed, glu, matmul, amx):
+    """The call's kernel on its operands: the routed experts (``ROUTED`` mode), or a dense matmul (on AMX's tiles
+    where the mode has ``AMX``)."""
     if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
         x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
         routed(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
     else:
         mode, x, w, out, m, kc, panels = _operands(frame)
-        _by_mode(glu, matmul, mode, x, w, out, m, kc, panels)
+        _by_mode(glu, matmul, amx, mode, x, w, out, m, kc, panels)
+
+
+@numba.njit
+def _no_amx(x_addr, w_addr, out_addr, m, kc, panels, gated, add):
+    """The AMX path where numba's target has no AMX (``select`` never asks for it there): nothing to compile."""
+    return 0
+
+
+# (the AMX path adds ~7 s to a cold build of the handler: only where it can run)
+_amx, _amx_parallel = (amx_kernel.matmul, amx_kernel.matmul_parallel) if isa.amx() else (_no_amx, _no_amx)
 
 
 @numba.njit
 def _dense(frame):
-    _call(frame, _routed, _glu, _matmul)
+    _call(frame, _routed, _glu, _matmul, _amx)
 
 
 @numba.njit
 def _dense_parallel(frame):
-    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel)
+    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel)
 
 
 def _handler(frame_addr):  # compiled by compile_handler

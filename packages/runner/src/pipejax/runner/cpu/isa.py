@@ -1,6 +1,6 @@
-"""The vector width numba compiles the CPU kernels for: numba's own target (``NUMBA_CPU_NAME`` /
-``NUMBA_CPU_FEATURES`` where set, else the host's CPU as LLVM sees it), so that a kernel's register tile matches
-the code LLVM emits for it."""
+"""What numba compiles the CPU kernels for: numba's own target (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` where
+set, else the host's CPU as LLVM sees it), so that a kernel's register tile matches the code LLVM emits for it: the
+vector width, and whether it has AMX's bf16 tiles."""
 
 from __future__ import annotations
 
@@ -12,16 +12,45 @@ _AVX512_CPUS = ("skylake-avx512", "cascadelake", "cooperlake", "cannonlake", "ic
                 "knl", "knm", "x86-64-v4")
 
 
-@functools.cache
-def vector_lanes() -> int:
-    """float32 lanes of the widest vector register numba's target has: 16 with AVX-512F, else 8 (AVX2; SSE and
-    NEON targets get 8 too, which LLVM splits into their 4-lane registers)."""
+def _features() -> list[str] | None:
+    """numba's target features (``+avx512f``, ...), or None where only a CPU name is set."""
     import llvmlite.binding as llvm
     from numba.core import config
 
     features = config.CPU_FEATURES
     if not features and config.CPU_NAME in (None, "", "host"):
         features = llvm.get_host_cpu_features().flatten()
+    return features.split(",") if features else None
+
+
+@functools.cache
+def vector_lanes() -> int:
+    """float32 lanes of the widest vector register numba's target has: 16 with AVX-512F, else 8 (AVX2; SSE and
+    NEON targets get 8 too, which LLVM splits into their 4-lane registers)."""
+    from numba.core import config
+
+    features = _features()
     if features:
-        return 16 if "+avx512f" in features.split(",") else 8
+        return 16 if "+avx512f" in features else 8
     return 16 if config.CPU_NAME in _AVX512_CPUS else 8
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether numba's target has AMX's tiles with bf16 products (``amx-tile`` and ``amx-bf16``; a target named
+    without its features is taken as not)."""
+    features = _features() or []
+    return "+amx-tile" in features and "+amx-bf16" in features
+
+
+@functools.cache
+def grant_amx() -> bool:
+    """Ask Linux for this process's AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, needed
+    once per process before the first tile instruction); whether it is granted (False off x86-64 Linux)."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xtiledata) == 0

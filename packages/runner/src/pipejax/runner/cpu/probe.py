@@ -47,7 +47,8 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 0.0
 
 def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
     """x [rows, E] through a gate/up weight [E, 2F] and silu(gate) * up: the dense kernel over panels against
-    XLA's dot over the weight's own layout."""
+    XLA's dot over the weight's own layout; where this process can use AMX's tiles, the kernel on them too
+    ("amx")."""
     from pipejax.runner.cpu import dense as cpu_dense
 
     E, F = cfg.hidden_size, max(PANEL, -(-cfg.intermediate_size // PANEL) * PANEL)  # whole panels
@@ -57,7 +58,11 @@ def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
         panels = jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(E, -1, PANEL).transpose(1, 0, 2)))[None]
         kernel = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True))
         xla = jax.jit(lambda x, w: swiglu(x @ w[:, :F], x @ w[:, F:]))
-        return alternated_ms({"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w)})
+        candidates = {"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w)}
+        if cpu_dense.amx_ready() and E % PANEL == 0:
+            amx = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True, amx_rows=1))
+            candidates["amx"] = lambda: amx(x, panels)
+        return alternated_ms(candidates)
 
 
 def _cache(cfg: ModelConfig, tp: int, rows: int, context: int, rng: np.random.Generator):

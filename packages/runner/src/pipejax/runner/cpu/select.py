@@ -40,6 +40,9 @@ from pipejax.runner.panels import PANEL
 log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "xla", "cpu-kernel")
+# The dense kernel's tiles: "vector" (FMAs on vector registers), "amx" (AMX's bf16 tiles at fp32 accuracy, where the
+# CPU has them, ``amx_kernel``), "auto" (AMX where the CPU has it and it measured faster, from the rows it won at).
+DENSE_TILES = ("auto", "vector", "amx")
 # /proc/cpuinfo flags a verdict depends on (vector width, FMA, the matrix units)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
@@ -52,6 +55,7 @@ KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args)
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
+PROBES_VERSION = 2  # part of a remembered verdict's key: raised when the probes measure more (2: AMX's tiles)
 
 
 def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
@@ -67,8 +71,9 @@ def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
 class KernelOptions:
     """What a caller asks of the CPU backend: "auto" (measured), "xla" or "cpu-kernel" per kernel; how decode
     steps run the layers ("auto", "scan", "unrolled"); XLA's library for few-row dots ("auto", "ynnpack",
-    "eigen"); and how an "auto" kernel numba has not built yet is waited for (``KERNEL_BUILDS``, the module's
-    note). An explicit "cpu-kernel" is always built before the first step."""
+    "eigen"); how an "auto" kernel numba has not built yet is waited for (``KERNEL_BUILDS``, the module's
+    note); and the dense kernel's tiles (``DENSE_TILES``). An explicit "cpu-kernel" is always built before the
+    first step."""
 
     dense_matmuls: str = "auto"
     decode_attention: str = "auto"
@@ -76,6 +81,7 @@ class KernelOptions:
     decode_layers: str = "auto"
     few_row_dots: str = "auto"
     build: str = "wait"
+    dense_tiles: str = "auto"
 
     def __post_init__(self):
         for name in ("dense_matmuls", "decode_attention", "prefill_attention"):
@@ -85,6 +91,8 @@ class KernelOptions:
             raise ValueError(f"decode_layers={self.decode_layers!r}; use 'auto', 'scan' or 'unrolled'")
         if self.few_row_dots not in ("auto", *dots.CHOICES):
             raise ValueError(f"few_row_dots={self.few_row_dots!r}; use 'auto', 'ynnpack' or 'eigen'")
+        if self.dense_tiles not in DENSE_TILES:
+            raise ValueError(f"dense_tiles={self.dense_tiles!r}; use 'auto', 'vector' or 'amx'")
         if self.build not in KERNEL_BUILDS:
             raise ValueError(f"CPU kernel build={self.build!r}; use 'background', 'wait' or 'cached' "
                              f"(--cpu-kernel-build / {KERNEL_BUILD_ENV})")
@@ -93,8 +101,9 @@ class KernelOptions:
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """What a stage runs: "cpu-kernel" or "xla" per kernel, "unrolled" or "scan" decode layers, the few-row dots'
-    library (None off CPU; "auto": measured at the first such step, ``dots``), the measurements behind it, and
-    the kernels still to build (``pending``: running XLA's formulation until then)."""
+    library (None off CPU; "auto": measured at the first such step, ``dots``), the measurements behind it, the
+    kernels still to build (``pending``: running XLA's formulation until then), and from how many rows the dense
+    kernel runs on AMX's tiles (None: never)."""
 
     dense_matmuls: str
     decode_attention: str
@@ -104,6 +113,7 @@ class Selection:
     measured: dict = dataclasses.field(default_factory=dict, compare=False)
     pending: tuple[str, ...] = ()
     quantized_kernel: bool = True  # weights kept quantized in panels run the quantized kernel (False: not built yet)
+    dense_amx_rows: int | None = None  # the dense kernel's calls of this many rows or more run on AMX's tiles
 
     @property
     def panels(self) -> bool:
@@ -114,7 +124,7 @@ class Selection:
         """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
         from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
-        dense_kernel = dense.for_mesh(mesh) if self.dense_matmuls == "cpu-kernel" else None
+        dense_kernel = dense.for_mesh(mesh, self.dense_amx_rows) if self.dense_matmuls == "cpu-kernel" else None
         return Kernels(
             dense=dense_kernel,
             # a MoE's experts are in panels where the dense weights are: the same kernel reads each one's routed rows
@@ -182,6 +192,8 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
     measured = measured_choices(cfg, len(devices), limits, auto, remember_in) if auto else {}
     chosen = {name: ("cpu-kernel" if getattr(options, name) == "cpu-kernel" else
                      measured[name]["choice"] if name in measured else "xla") for name in fits}
+    amx_rows = _dense_amx_rows(chosen["dense_matmuls"] == "cpu-kernel", options, cfg, len(devices), limits, measured,
+                               remember_in)
     on_cpu = all(d.platform == "cpu" for d in devices)
     if options.decode_layers == "unrolled" and not (native and on_cpu):
         raise ValueError(f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
@@ -196,7 +208,38 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
         measured=measured,
         pending=(unbuilt + (QUANTIZED_KERNEL,) * quantized_unbuilt) if options.build == "background" else (),
         quantized_kernel=not quantized_unbuilt,
+        dense_amx_rows=amx_rows,
     )
+
+
+def _dense_amx_rows(dense_kernel: bool, options: KernelOptions, cfg: ModelConfig, tp: int, limits: SchedulerConfig,
+                    measured: dict, remember_in: str | None) -> int | None:
+    """From how many rows the dense kernel runs on AMX's tiles (``Selection.dense_amx_rows``): every call where
+    asked "amx"; with "auto", where the CPU has AMX, as the dense probe measured (``amx_rows``); else never."""
+    from pipejax.runner.cpu import dense
+
+    if not dense_kernel or options.dense_tiles == "vector":
+        return None
+    if options.dense_tiles == "amx":
+        if not dense.amx_ready():
+            raise ValueError("dense_tiles='amx' needs a CPU with AMX's bf16 tiles (amx_tile and amx_bf16 in "
+                             "/proc/cpuinfo) and a Linux that grants them; use 'auto' or 'vector'")
+        return 1
+    if not dense.amx_ready():
+        return None
+    if "dense_matmuls" not in measured:  # the kernel was forced: its probe still decides the tiles
+        measured = measured_choices(cfg, tp, limits, ("dense_matmuls",), remember_in)
+    return amx_rows(measured["dense_matmuls"], limits.max_num_seqs)
+
+
+def amx_rows(figures: dict, decode_rows: int) -> int | None:
+    """The dense probe's verdict on AMX's tiles: from the decode rows where they were faster there; else from the
+    rows above them where they were faster at the prefill rows (at the rows between, an Intel Xeon measured them
+    even at twice the decode rows and faster from four times); else None."""
+    prefill, decode = figures.get("prefill", {}), figures.get("decode", {})
+    if "amx" not in prefill or prefill["amx"] >= prefill["kernel"]:
+        return None
+    return decode_rows if decode.get("amx", float("inf")) < decode["kernel"] else decode_rows + 1
 
 
 def _wrappers() -> dict:
@@ -272,7 +315,7 @@ def probe_shapes(cfg: ModelConfig, tp: int, limits: SchedulerConfig) -> dict[str
 
 
 def verdict_key(signature: dict[str, str], shapes: dict[str, int]) -> str:
-    text = json.dumps({"host": signature, "shapes": shapes}, sort_keys=True)
+    text = json.dumps({"host": signature, "shapes": shapes, "probes": PROBES_VERSION}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -314,7 +357,9 @@ _in_process: dict[str, dict[str, dict]] = {}
 
 
 def _figures(v: dict) -> str:
-    return ", ".join(f"{k} {v[k]['kernel']:.2f} vs xla {v[k]['xla']:.2f} ms" for k in v if k != "choice")
+    return ", ".join(f"{k} {v[k]['kernel']:.2f} vs xla {v[k]['xla']:.2f}"
+                     + (f" (on AMX's tiles {v[k]['amx']:.2f})" if "amx" in v[k] else "") + " ms"
+                     for k in v if k != "choice")
 
 
 def _cfg_for(shapes: dict[str, int]) -> ModelConfig:
