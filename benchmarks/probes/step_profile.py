@@ -9,6 +9,7 @@ model's are qkv, attention, o, the routed experts; a call after the last layer's
 
     XLA_FLAGS=--xla_force_host_platform_device_count=1 python benchmarks/probes/step_profile.py PATH \
         [--step prefill|decode] [--tokens 512] [--rows 64] [--calls qkv attention o experts]
+        [--dense-tiles auto|vector|amx]
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="prefill: tokens in the step (whole prompts of 128)")
     parser.add_argument("--rows", type=int, default=64, help="decode: requests in the step")
     parser.add_argument("--calls", nargs="+", default=["qkv", "attention", "o", "experts"])
+    parser.add_argument("--dense-tiles", choices=["auto", "vector", "amx"], default="auto",
+                        help="the dense kernel's tiles (StageRunner's dense_tiles)")
     args = parser.parse_args()
     import jax
 
@@ -51,6 +54,7 @@ def main() -> None:
     runner = StageRunner(args.path, stage_mesh(jax.devices()[:1]), StageConfig(),
                          CacheConfig(block_size=BLOCK, num_blocks=prompts * per_request + 1),
                          ModelConfig.from_pretrained(args.path), scheduler=limits, dense_matmuls="cpu-kernel",
+                         dense_tiles=args.dense_tiles,
                          prefill_attention="cpu-kernel", decode_attention="cpu-kernel")
     ids = iter(range(10**9))
     greedy = SamplingParams(temperature=0.0)
