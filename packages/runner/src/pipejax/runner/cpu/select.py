@@ -5,9 +5,11 @@ attention) replaces part of ``model.py``'s XLA formulation. Whether it is faster
 AVX-512 EPYC the kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64
 rows. So "auto" measures, on the host at hand, each kernel against XLA's formulation of the same operation at
 the stage's own shapes (``probe``) and runs a kernel only where it was faster; "xla" or "cpu-kernel" force a
-choice. A verdict is remembered per host signature (CPU model and ISA flags, cores, versions, the XLA and
-numba target settings) and shapes: in the process, and in a JSON file next to JAX's compilation cache where
-that is on, so a restart measures nothing (and compiles the same step programs).
+choice. Where the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, which then run from the
+rows they won at (``amx_rows``; ``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per
+host signature (CPU model and ISA flags, cores, versions, the XLA and numba target settings) and shapes: in the
+process, and in a JSON file next to JAX's compilation cache where that is on, so a restart measures nothing (and
+compiles the same step programs).
 
 A kernel numba has not compiled on this host yet takes ~5-12 s of one core to build (``build``). How a stage
 waits for that is ``KernelOptions.build``: "wait" (a ``StageRunner``'s default) builds them before the first
