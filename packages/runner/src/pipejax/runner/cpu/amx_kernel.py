@@ -12,9 +12,9 @@ then runs the rows in groups whose x tiles stay in L2: each thread takes panels,
 whole contraction in four accumulator tiles (2 row blocks x 2 halves). The split tiles live in 2 MB pages
 (``madvise``): the tile loads from 4 KB pages ran at about half the rate on an Intel Xeon of this workplace.
 
-The AMX instructions are emitted only for a numba target with ``amx-tile`` and ``amx-bf16`` (``isa.amx``);
-elsewhere the intrinsics compile to nothing and ``select`` never sets the mode. A process must be granted the
-tiles' state (``isa.grant_amx``) before the first call.
+Only a numba target with ``amx-tile`` and ``amx-bf16`` (``isa.amx``) compiles this module's functions
+(``dense_kernel`` takes a stub elsewhere, and ``select`` never sets the mode): LLVM cannot emit them for another.
+A process must be granted the tiles' state (``isa.grant_amx``) before the first call.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu.ffi import float32s
-from pipejax.runner.cpu.isa import amx
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
 
@@ -36,7 +35,6 @@ GROUP_ROWS = 256  # rows whose x tiles (256 x 768 x 6 bytes) stay in L2 while ev
 _CONFIG = np.zeros(64, np.uint8)  # ldtilecfg's: palette 1, tiles 0-7 of 16 rows x 64 bytes
 _CONFIG[0], _CONFIG[48:56] = 1, 16
 _CONFIG[16:32].view(np.uint16)[:8] = 64
-_EMIT = amx()  # whether this target has the instructions (else the intrinsics below emit nothing)
 
 
 def _function(module: ir.Module, name: str, ret: ir.Type, args: list) -> ir.Function:
@@ -47,10 +45,9 @@ def _function(module: ir.Module, name: str, ret: ir.Type, args: list) -> ir.Func
 def _tile_config(typingctx, config):
     """ldtilecfg from the 64 bytes at int64 address ``config``."""
     def codegen(context, builder, signature, args):
-        if _EMIT:
-            p = ir.IntType(8).as_pointer()
-            load = _function(builder.module, "llvm.x86.ldtilecfg", ir.VoidType(), [p])
-            builder.call(load, [builder.inttoptr(args[0], p)])
+        p = ir.IntType(8).as_pointer()
+        load = _function(builder.module, "llvm.x86.ldtilecfg", ir.VoidType(), [p])
+        builder.call(load, [builder.inttoptr(args[0], p)])
         return context.get_dummy_value()
 
     return types.void(types.int64), codegen
@@ -59,8 +56,7 @@ def _tile_config(typingctx, config):
 @intrinsic
 def _tile_release(typingctx):
     def codegen(context, builder, signature, args):
-        if _EMIT:
-            builder.call(_function(builder.module, "llvm.x86.tilerelease", ir.VoidType(), []), [])
+        builder.call(_function(builder.module, "llvm.x86.tilerelease", ir.VoidType(), []), [])
         return context.get_dummy_value()
 
     return types.void(), codegen
@@ -71,8 +67,6 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
     """c [32, 32] fp32 (rows 128 bytes apart) = row blocks x0 and x1 (``kblocks`` x 3 pieces' tiles each) times one
     panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's."""
     def codegen(context, builder, signature, args):
-        if not _EMIT:
-            return context.get_dummy_value()
         x0, x1, w, c, kb_n = args
         i8, i64 = ir.IntType(8), ir.IntType(64)
         p, module, void = i8.as_pointer(), builder.module, ir.VoidType()
