@@ -65,7 +65,13 @@ def _tile_release(typingctx):
 @intrinsic
 def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
     """c [32, 32] fp32 (rows 128 bytes apart) = row blocks x0 and x1 (``kblocks`` x 3 pieces' tiles each) times one
-    panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's."""
+    panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's.
+
+    A tile has no second copy to load into while products still read it, so each load waits for those products to
+    finish, and the product after it for the load: on an Intel Xeon of this workplace a tile load cost ~10 ns that
+    no product overlapped (a product 5.6 ns). So each block of 32 k's loads 14 tiles (12 is the least: each piece
+    once), each right after its tile's last product and at least one product before its first, and the next
+    block's first tiles at the end of this one (``benchmarks/probes/amx_tile_loads.py``)."""
     def codegen(context, builder, signature, args):
         x0, x1, w, c, kb_n = args
         i8, i64 = ir.IntType(8), ir.IntType(64)
@@ -75,42 +81,37 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
         zero = _function(module, "llvm.x86.tilezero", void, [i8])
         dp = _function(module, "llvm.x86.tdpbf16ps", void, [i8] * 3)
         tile, const = (lambda t: ir.Constant(i8, t)), (lambda v: ir.Constant(i64, v))
+
+        def x(kb, r, q):  # row block r's piece q (hi, mid, lo) -> tile 4 + r
+            at = builder.add((x0, x1)[r], builder.add(builder.mul(kb, const(3 * TILE)), const(q * TILE)))
+            builder.call(load, [tile(4 + r), builder.inttoptr(at, p), const(64)])
+
+        def wt(kb, h, q):  # half h's piece q -> tile 6 + h
+            at = builder.add(w, builder.add(builder.mul(kb, const(6 * TILE)), const((2 * q + h) * TILE)))
+            builder.call(load, [tile(6 + h), builder.inttoptr(at, p), const(64)])
+
+        def product(r, h):
+            builder.call(dp, [tile(2 * r + h), tile(4 + r), tile(6 + h)])
+
         for t in range(4):
             builder.call(zero, [tile(t)])
-        entry = builder.block
         loop, done = builder.function.append_basic_block("kb"), builder.function.append_basic_block("kb.done")
+        with builder.if_then(builder.icmp_signed(">", kb_n, const(0))):  # block 0's first tiles: x hi, w lo
+            x(const(0), 0, 0), x(const(0), 1, 0), wt(const(0), 0, 2), wt(const(0), 1, 2)
+        entry = builder.block
         builder.cbranch(builder.icmp_signed(">", kb_n, const(0)), loop, done)
         builder.position_at_end(loop)
         kb = builder.phi(i64)
         kb.add_incoming(const(0), entry)
-        xs = [builder.add(x, builder.mul(kb, const(3 * TILE))) for x in (x0, x1)]
-        ws = builder.add(w, builder.mul(kb, const(6 * TILE)))
-
-        def x_piece(q):
-            for r in range(2):
-                builder.call(load, [tile(4 + r), builder.inttoptr(builder.add(xs[r], const(q * TILE)), p), const(64)])
-
-        def w_piece(q):
-            for h in range(2):
-                at = builder.add(ws, const((2 * q + h) * TILE))
-                builder.call(load, [tile(6 + h), builder.inttoptr(at, p), const(64)])
-
-        def products():
-            for r in range(2):
-                for h in range(2):
-                    builder.call(dp, [tile(2 * r + h), tile(4 + r), tile(6 + h)])
-
-        x_piece(0)  # hi x (hi, mid, lo)
-        for q in range(3):
-            w_piece(q)
-            products()
-        x_piece(1)  # mid x (mid, hi)
-        for q in (1, 0):
-            w_piece(q)
-            products()
-        x_piece(2)  # lo x hi (w's hi still in tiles 6-7)
-        products()
         k_next = builder.add(kb, const(1))
+        ahead = builder.select(builder.icmp_signed("<", k_next, kb_n), k_next, kb)  # (the last block: itself again)
+        for q in (1, 0):  # x hi times w lo, then mid (w's halves reloaded as each is done with)
+            product(0, 0), product(1, 0), wt(kb, 0, q), product(0, 1), product(1, 1), wt(kb, 1, q)
+        for q in (2, 1):  # x hi, then lo, times w hi (x's row blocks reloaded)
+            product(0, 0), product(0, 1), x(kb, 0, q), product(1, 0), product(1, 1), x(kb, 1, q)
+        product(0, 0), product(1, 0), wt(kb, 0, 1), product(0, 1), product(1, 1), wt(kb, 1, 1)  # x mid times w hi
+        product(0, 0), product(1, 0), wt(ahead, 0, 2), product(0, 1), x(ahead, 0, 0)  # x mid times w mid
+        product(1, 1), wt(ahead, 1, 2), x(ahead, 1, 0)
         kb.add_incoming(k_next, builder.block)
         builder.cbranch(builder.icmp_signed("<", k_next, kb_n), loop, done)
         builder.position_at_end(done)
@@ -121,18 +122,29 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
     return types.void(*[types.int64] * 5), codegen
 
 
+class _BFloat(ir.Type):
+    """LLVM's bfloat, for which llvmlite's IR builder has no class (numba hands LLVM the module as text)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
 def _pieces(builder: ir.IRBuilder, v: ir.Value) -> list[ir.Value]:
-    """The bf16 pieces (<N x i16>) hi, mid, lo of <N x float> v, each rounded to nearest even: v = hi + mid + lo."""
-    n = v.type.count
-    i32s, i16s = ir.VectorType(ir.IntType(32), n), ir.VectorType(ir.IntType(16), n)
-    splat = (lambda c: ir.Constant(i32s, [c] * n))
+    """The bf16 pieces (<N x i16>) hi, mid, lo of <N x float> v, each rounded to nearest even: v = hi + mid + lo.
+    (``fptrunc`` to bfloat: one ``vcvtneps2bf16`` per 16 floats on a CPU with AVX512_BF16, as every one with AMX.)"""
+    bf16s = ir.VectorType(_BFloat(), v.type.count)
     out = []
-    for _ in range(3):
-        bits = builder.bitcast(v, i32s)
-        rounded = builder.add(builder.add(bits, splat(0x7FFF)), builder.and_(builder.lshr(bits, splat(16)), splat(1)))
-        top = builder.lshr(rounded, splat(16))
-        out.append(builder.trunc(top, i16s))
-        v = builder.fsub(v, builder.bitcast(builder.shl(top, splat(16)), v.type))
+    for q in range(3):
+        piece = builder.fptrunc(v, bf16s)
+        out.append(builder.bitcast(piece, ir.VectorType(ir.IntType(16), v.type.count)))
+        if q < 2:
+            v = builder.fsub(v, builder.fpext(piece, v.type))
     return out
 
 
