@@ -67,9 +67,9 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
     """c [32, 32] fp32 (rows 128 bytes apart) = row blocks x0 and x1 (``kblocks`` x 3 pieces' tiles each) times one
     panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's.
 
-    A tile has no second copy to load into while products still read it, so each load waits for those products to
-    finish, and the product after it for the load: on an Intel Xeon of this workplace a tile load cost ~10 ns that
-    no product overlapped (a product 5.6 ns). So each block of 32 k's loads 14 tiles (12 is the least: each piece
+    On an Intel Xeon of this workplace a tile load cost ~10 ns that no product overlapped (a product 5.6 ns), most
+    likely because a tile has no second copy to load into while products still read it: each load waits for those
+    products, and the product after it for the load. So each block of 32 k's loads 14 tiles (12 is the least: each piece
     once), each right after its tile's last product and at least one product before its first, and the next
     block's first tiles at the end of this one (``benchmarks/probes/amx_tile_loads.py``)."""
     def codegen(context, builder, signature, args):
