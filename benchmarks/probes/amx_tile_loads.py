@@ -27,10 +27,17 @@ def _w(h: int, q: int) -> tuple:
     return ("load", 6 + h, 6 + 2 * q + h)
 
 
+def _as_probe_op(op: tuple) -> tuple:
+    """An op of ``amx_kernel.BLOCK_ORDER`` in this probe's terms (a load ahead reads this block's place)."""
+    return _product(op[1], op[2]) if op[0] == "p" else (_x if op[0] == "x" else _w)(op[1], op[2])
+
+
 def orders() -> dict[str, list[tuple]]:
     """Rounds of 24 products: alone; 16 loads (each piece's tiles loaded just before its products: the kernel
-    before); 14 loads (each right after its tile's last product: the kernel now); 24 loads (a plain bf16 GEMM's
-    order, a load per product)."""
+    before 947e01c); 14 loads (the kernel's own ``BLOCK_ORDER``); 24 loads (a plain bf16 GEMM's order, a load per
+    product)."""
+    from pipejax.runner.cpu import amx_kernel
+
     four = [_product(r, h) for r in range(2) for h in range(2)]
     before = [_x(0, 0), _x(1, 0)]
     for q in (0, 1, 2):
@@ -39,16 +46,11 @@ def orders() -> dict[str, list[tuple]]:
     for q in (1, 0):
         before += [_w(0, q), _w(1, q), *four]
     before += [_x(0, 2), _x(1, 2), *four]
-    now = []
-    for q in (1, 0):
-        now += [_product(0, 0), _product(1, 0), _w(0, q), _product(0, 1), _product(1, 1), _w(1, q)]
-    for q in (2, 1):
-        now += [_product(0, 0), _product(0, 1), _x(0, q), _product(1, 0), _product(1, 1), _x(1, q)]
-    now += [_product(0, 0), _product(1, 0), _w(0, 1), _product(0, 1), _product(1, 1), _w(1, 1)]
-    now += [_product(0, 0), _product(1, 0), _w(0, 2), _product(0, 1), _x(0, 0), _product(1, 1), _w(1, 2), _x(1, 0)]
+    now = [_as_probe_op(op) for op in amx_kernel.BLOCK_ORDER]
     gemm = [op for _ in range(6) for op in (_x(0, 0), _w(0, 0), _product(0, 0), _w(1, 0), _product(0, 1), _x(1, 0),
                                              _product(1, 0), _product(1, 1))]
-    return {"products alone": four * 6, "16 loads (before)": before, "14 loads (now)": now, "24 loads (GEMM)": gemm}
+    return {"products alone": four * 6, "16 loads (before)": before, "14 loads (the kernel's)": now,
+            "24 loads (GEMM)": gemm}
 
 
 def timed_rounds(order: list[tuple]):

@@ -254,3 +254,29 @@ def test_the_next_panels_prefetch_is_shared_by_the_tiles_without_gap_or_overlap(
             assert start == ahead + covered * row, (t, start, covered)
             covered += rows
     assert covered == kc
+
+
+def test_amx_block_order_takes_each_piece_product_once_per_tile_pair():
+    """``amx_kernel.BLOCK_ORDER`` (the products and tile loads of one block of 32 k's, checked without AMX): the six
+    bf16x6 piece products (x hi with w hi, mid and lo; x mid with w hi and mid; x lo with w hi), each into all four
+    accumulators once, every load but the block's last ones (the next block's) followed by a product that reads it,
+    and the last ones leaving the tiles as the block's start expects (x hi, w lo)."""
+    from pipejax.runner.cpu import amx_kernel
+
+    held = {"x": {0: 0, 1: 0}, "w": {0: 2, 1: 2}}  # what block 0's loads before the loop put in the tiles
+    products, unread, after = [], set(), {"x": {}, "w": {}}
+    for op in amx_kernel.BLOCK_ORDER:
+        if op[0] == "p":
+            _, r, h = op
+            products.append((held["x"][r], held["w"][h], r, h))
+            unread -= {("x", r), ("w", h)}
+        elif op[3]:  # the next block's
+            after[op[0]][op[1]] = op[2]
+        else:
+            assert (op[0], op[1]) not in unread, f"{op} overwrites a tile no product read"
+            held[op[0]][op[1]] = op[2]
+            unread.add((op[0], op[1]))
+    assert not unread
+    assert sorted(products) == sorted((qx, qw, r, h) for qx, qw in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0))
+                                      for r in range(2) for h in range(2))
+    assert after == {"x": {0: 0, 1: 0}, "w": {0: 2, 1: 2}}

@@ -62,16 +62,28 @@ def _tile_release(typingctx):
     return types.void(), codegen
 
 
+# One block of 32 k's in ``_pair_times_panel``, in order: ("p", r, h) a product into accumulator 2 r + h (row block r,
+# half h); ("x", r, q, ahead) row block r's piece q (0 hi, 1 mid, 2 lo) into tile 4 + r; ("w", h, q, ahead) half h's
+# piece q into tile 6 + h; ``ahead``: the next block's (block 0's are loaded before the loop). Each load comes right
+# after its tile's last product and at least one product before its first: 14 loads (12 is the least).
+_P00, _P01, _P10, _P11 = ("p", 0, 0), ("p", 0, 1), ("p", 1, 0), ("p", 1, 1)
+BLOCK_ORDER = (
+    _P00, _P10, ("w", 0, 1, False), _P01, _P11, ("w", 1, 1, False),  # x hi times w lo
+    _P00, _P10, ("w", 0, 0, False), _P01, _P11, ("w", 1, 0, False),  # x hi times w mid
+    _P00, _P01, ("x", 0, 2, False), _P10, _P11, ("x", 1, 2, False),  # x hi times w hi
+    _P00, _P01, ("x", 0, 1, False), _P10, _P11, ("x", 1, 1, False),  # x lo times w hi
+    _P00, _P10, ("w", 0, 1, False), _P01, _P11, ("w", 1, 1, False),  # x mid times w hi
+    _P00, _P10, ("w", 0, 2, True), _P01, ("x", 0, 0, True), _P11, ("w", 1, 2, True), ("x", 1, 0, True),  # x mid, w mid
+)
+
+
 @intrinsic
 def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
     """c [32, 32] fp32 (rows 128 bytes apart) = row blocks x0 and x1 (``kblocks`` x 3 pieces' tiles each) times one
-    panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's.
-
-    On an Intel Xeon of this workplace a tile load cost ~10 ns that no product overlapped (a product 5.6 ns), most
-    likely because a tile has no second copy to load into while products still read it: each load waits for those
-    products, and the product after it for the load. So each block of 32 k's loads 14 tiles (12 is the least: each piece
-    once), each right after its tile's last product and at least one product before its first, and the next
-    block's first tiles at the end of this one (``benchmarks/probes/amx_tile_loads.py``)."""
+    panel's tiles w (``kblocks`` x 3 pieces x 2 halves). Tiles 0-3 accumulate, 4-5 hold x's pieces, 6-7 w's, each
+    block in ``BLOCK_ORDER``: on an Intel Xeon of this workplace a tile load cost ~10 ns that no product overlapped
+    (a product 5.6 ns; ``benchmarks/probes/amx_tile_loads.py``), most likely because a tile has no second copy to
+    load into while products still read it."""
     def codegen(context, builder, signature, args):
         x0, x1, w, c, kb_n = args
         i8, i64 = ir.IntType(8), ir.IntType(64)
@@ -82,22 +94,23 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
         dp = _function(module, "llvm.x86.tdpbf16ps", void, [i8] * 3)
         tile, const = (lambda t: ir.Constant(i8, t)), (lambda v: ir.Constant(i64, v))
 
-        def x(kb, r, q):  # row block r's piece q (hi, mid, lo) -> tile 4 + r
-            at = builder.add((x0, x1)[r], builder.add(builder.mul(kb, const(3 * TILE)), const(q * TILE)))
-            builder.call(load, [tile(4 + r), builder.inttoptr(at, p), const(64)])
-
-        def wt(kb, h, q):  # half h's piece q -> tile 6 + h
-            at = builder.add(w, builder.add(builder.mul(kb, const(6 * TILE)), const((2 * q + h) * TILE)))
-            builder.call(load, [tile(6 + h), builder.inttoptr(at, p), const(64)])
-
-        def product(r, h):
-            builder.call(dp, [tile(2 * r + h), tile(4 + r), tile(6 + h)])
+        def emit(op, kb):
+            kind, a, b = op[:3]
+            if kind == "p":  # row block a times half b
+                builder.call(dp, [tile(2 * a + b), tile(4 + a), tile(6 + b)])
+                return
+            base, block, offset, t = ((x0, x1)[a], 3 * TILE, b * TILE, 4 + a) if kind == "x" else \
+                (w, 6 * TILE, (2 * b + a) * TILE, 6 + a)
+            at = builder.add(base, builder.add(builder.mul(kb, const(block)), const(offset)))
+            builder.call(load, [tile(t), builder.inttoptr(at, p), const(64)])
 
         for t in range(4):
             builder.call(zero, [tile(t)])
         loop, done = builder.function.append_basic_block("kb"), builder.function.append_basic_block("kb.done")
-        with builder.if_then(builder.icmp_signed(">", kb_n, const(0))):  # block 0's first tiles: x hi, w lo
-            x(const(0), 0, 0), x(const(0), 1, 0), wt(const(0), 0, 2), wt(const(0), 1, 2)
+        with builder.if_then(builder.icmp_signed(">", kb_n, const(0))):  # block 0's first tiles
+            for op in BLOCK_ORDER:
+                if op[0] != "p" and op[3]:
+                    emit(op, const(0))
         entry = builder.block
         builder.cbranch(builder.icmp_signed(">", kb_n, const(0)), loop, done)
         builder.position_at_end(loop)
@@ -105,13 +118,8 @@ def _pair_times_panel(typingctx, x0, x1, w, c, kblocks):
         kb.add_incoming(const(0), entry)
         k_next = builder.add(kb, const(1))
         ahead = builder.select(builder.icmp_signed("<", k_next, kb_n), k_next, kb)  # (the last block: itself again)
-        for q in (1, 0):  # x hi times w lo, then mid (w's halves reloaded as each is done with)
-            product(0, 0), product(1, 0), wt(kb, 0, q), product(0, 1), product(1, 1), wt(kb, 1, q)
-        for q in (2, 1):  # x hi, then lo, times w hi (x's row blocks reloaded)
-            product(0, 0), product(0, 1), x(kb, 0, q), product(1, 0), product(1, 1), x(kb, 1, q)
-        product(0, 0), product(1, 0), wt(kb, 0, 1), product(0, 1), product(1, 1), wt(kb, 1, 1)  # x mid times w hi
-        product(0, 0), product(1, 0), wt(ahead, 0, 2), product(0, 1), x(ahead, 0, 0)  # x mid times w mid
-        product(1, 1), wt(ahead, 1, 2), x(ahead, 1, 0)
+        for op in BLOCK_ORDER:
+            emit(op, ahead if op[0] != "p" and op[3] else kb)
         kb.add_incoming(k_next, builder.block)
         builder.cbranch(builder.icmp_signed("<", k_next, kb_n), loop, done)
         builder.position_at_end(done)
