@@ -4,7 +4,7 @@ processes alternating. A side is a source tree (another checkout's ``packages/*/
 packages, e.g. ``git worktree add /tmp/before HEAD~1``; default: what is installed) and engine arguments (JSON).
 
     python benchmarks/probes/throughput_ab.py --a-tree /tmp/before [--rounds 3] [--runs 3]
-    python benchmarks/probes/throughput_ab.py --b-args '{"max_num_batched_tokens": 2048}'
+    python benchmarks/probes/throughput_ab.py --b-args '{"max_num_batched_tokens": 512}'
 """
 
 from __future__ import annotations

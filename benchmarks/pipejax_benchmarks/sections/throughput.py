@@ -206,7 +206,7 @@ def parts_floor(cfg, steps: list[dict[str, Any]], bandwidth: float, repeats: int
 
 class PipejaxSide:
     """pipejax's side, in its own process: an ``LLM`` (pp=1 tp=1 in-process, its defaults) that compiled every
-    shape the ``levels`` meet by an untimed run of each, whole (with the defaults' 512-token chunks, a run of 8
+    shape the ``levels`` meet by an untimed run of each, whole (with the defaults' prefill chunks, a run of 8
     output tokens met fewer mixed prefill + decode shapes than one of 64)."""
 
     def __init__(self, path: str, levels: list[int], dtype: str | None = None, engine_args: dict | None = None):

@@ -116,6 +116,21 @@ def test_a_default_is_written_once_and_the_cli_and_engine_config_follow_it(monke
     assert engine_config("builtin", block_size=8).cache.block_size == 8  # given: the flag wins
 
 
+def test_the_offline_llm_takes_a_larger_step_budget_than_the_server_unless_told():
+    """vLLM's usage contexts: ``LLM(model)`` prefills in steps of 2048 tokens, ``serve`` and ``generate`` (whose
+    ``engine_config`` the CLI builds) in the server's 512; a budget given wins either way."""
+    from pipejax.ray_executor.engine_args import engine_config
+    from pipejax.ray_executor.llm import offline_engine_config
+
+    def budget(config):
+        return config.scheduler.max_num_batched_tokens
+
+    assert budget(offline_engine_config("builtin")) == 2048
+    assert budget(engine_config("builtin")) == 512
+    assert budget(offline_engine_config("builtin", max_num_batched_tokens=512)) == 512
+    assert budget(offline_engine_config("builtin", max_num_batched_tokens=None, max_num_seqs=8)) == 2048
+
+
 def test_kv_flags_reach_the_cache_config(monkeypatch):
     """--cpu-kvcache-space and PIPEJAX_CPU_KVCACHE_SPACE (the flag wins) and --gpu-memory-utilization, None
     unless given (the CPU budget then applies; the 0.5 default is resolved where the memory is measured)."""

@@ -23,7 +23,8 @@ def _serve(backend: str, split: str, kv_blocks: int, rows: int) -> list[float]:
     from pipejax.ray_executor import LLM, SamplingParams
 
     llm = LLM("builtin", pipeline_parallel_size=2, distributed_executor_backend=backend, pp_layer_partition=split,
-              num_kv_blocks=kv_blocks, max_num_seqs=rows, max_model_len=WORK.max_model_len)
+              num_kv_blocks=kv_blocks, max_num_seqs=rows, max_model_len=WORK.max_model_len,
+              max_num_batched_tokens=plan.PREFILL_CHUNK_TOKENS)  # the served command's (serve's) step budget
     prompts = [[(5 * i + j) % 200 + 3 for j in range(WORK.prompt_len)] for i in range(WORK.concurrency)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=WORK.output_len, ignore_eos=True))
     pids = [p["pid"] for p in llm.engine.executor.placement] if backend == "ray" else [os.getpid()]

@@ -14,15 +14,25 @@ from pipejax.ray_executor.engine.engine import LLMEngine
 from pipejax.ray_executor.engine.request import CompletionOutput, RequestOutput
 from pipejax.ray_executor.engine_args import engine_config
 from pipejax.runner.batch import SamplingParams
+from pipejax.runner.config import OFFLINE_MAX_NUM_BATCHED_TOKENS
 
 Prompt = str | dict | Sequence[int]
+
+
+def offline_engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+    """``engine_config`` for offline use: a step budget (``max_num_batched_tokens``) not given is
+    ``OFFLINE_MAX_NUM_BATCHED_TOKENS`` (2048) rather than the server's 512, as vLLM's ``LLM`` class gets a larger
+    one than its server. No stream waits through an offline batch's larger prefill steps."""
+    if engine_args.get("max_num_batched_tokens") is None:
+        engine_args["max_num_batched_tokens"] = OFFLINE_MAX_NUM_BATCHED_TOKENS
+    return engine_config(model, **engine_args)
 
 
 class LLM:
     def __init__(self, model: str | None = None, warmup: bool = True, **engine_args: Any):
         """``engine_args``: the keywords of ``engine_args.engine_config`` (the command line's engine flags:
-        ``pipeline_parallel_size``, ``tensor_parallel_size``, ``max_num_seqs``, ...)."""
-        self._start(engine_config(model, **engine_args), warmup)
+        ``pipeline_parallel_size``, ``tensor_parallel_size``, ``max_num_seqs``, ...); see ``offline_engine_config``."""
+        self._start(offline_engine_config(model, **engine_args), warmup)
 
     @classmethod
     def from_config(cls, config: EngineConfig, warmup: bool = True) -> LLM:

@@ -39,7 +39,7 @@ from pipejax.platform_tpu.hardware import Hardware
 from pipejax.platform_tpu.layout import LayoutError, check_layout
 from pipejax.pp_utils.balance import PartCosts, balanced_partition
 from pipejax.pp_utils.config import ParallelConfig
-from pipejax.runner.config import ModelConfig
+from pipejax.runner.config import ModelConfig, SchedulerConfig
 
 GIB = 2**30
 # Assumed, not measured (no TPU at hand): one all-reduce of a decode step's rows, latency-bound; a stage step's
@@ -55,7 +55,7 @@ MAX_HOSTS_TRIED = 4096  # when nothing fits: the smallest number of such hosts t
 RAY_ACTOR_BYTES = 59 * 2**20
 USABLE_MEMORY = 0.9  # of a stage's memory, for weights and KV together (the rest: XLA's workspace, activations)
 BLOCK_SIZE = 16
-PREFILL_CHUNK_TOKENS = 512  # a prefill step's tokens: the engine's default step budget (max_num_batched_tokens)
+PREFILL_CHUNK_TOKENS = SchedulerConfig.max_num_batched_tokens  # a prefill step's tokens: `pipejax serve`'s budget
 
 
 @dataclasses.dataclass(frozen=True)

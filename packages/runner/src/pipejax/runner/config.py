@@ -359,6 +359,12 @@ class CacheConfig:
             raise ValueError(f"engines_on_host={self.engines_on_host} must be >= 1")
 
 
+# The offline ``LLM``'s step budget where none is given (``SchedulerConfig``'s 512 is the server's), as vLLM gives
+# its ``LLM`` class a larger one than its server: a batch's prompts prefill in fewer, larger steps, and no
+# stream waits through them (BENCHMARKS.md has the throughput it buys on CPU).
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits: the engine's scheduler keeps every batch within them, and each stage's runner
