@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="prefill: tokens in the step (whole prompts of 128)")
     parser.add_argument("--rows", type=int, default=64, help="decode: requests in the step")
     parser.add_argument("--calls", nargs="+", default=["qkv", "attention", "o", "experts"])
-    parser.add_argument("--dense-tiles", choices=["auto", "vector", "amx"], default="auto",
+    parser.add_argument("--dense-tiles", choices=["auto", "vector", "amx", "amx-kept"], default="auto",
                         help="the dense kernel's tiles (StageRunner's dense_tiles)")
     args = parser.parse_args()
     import jax
@@ -85,9 +85,11 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(STEPS):
         step()
-    amx = runner.selection.dense_amx_rows
+    amx, kept = runner.selection.dense_amx_rows, runner.selection.dense_kept_rows
+    tiles = [f"AMX's kept tiles from {kept} rows"] * (kept is not None) + [f"AMX tiles from {amx} rows"] * (
+        amx is not None)
     print(f"{what}: {(time.perf_counter() - start) / STEPS * 1e3:.1f} ms (dense kernel on "
-          f"{'the FMA tiles' if amx is None else f'AMX tiles from {amx} rows'})")
+          f"{', '.join(tiles) or 'the FMA tiles'})")
     folder = tempfile.mkdtemp(prefix="pipejax-step-profile-")
     options = jax.profiler.ProfileOptions()
     options.host_tracer_level, options.python_tracer_level = 3, 0

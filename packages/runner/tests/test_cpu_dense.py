@@ -129,6 +129,35 @@ def test_amx_tiles_match_numpy_in_every_mode(rows):
     np.testing.assert_array_equal(np.asarray(on_amx(x40, w40)), np.asarray(cpu_dense.matmul(x40, w40)))
 
 
+@AMX
+@pytest.mark.parametrize("rows", [17, 300])
+def test_kept_amx_tiles_give_the_split_ones_bits(rows):
+    """A weight's tiles split once (``weight_tiles``) and kept: a call from ``kept_rows`` rows (below ``amx_rows``)
+    reads them, in every mode and at every layer of a stack, with the same bits as the call that splits the
+    weight itself; below ``kept_rows``, at ``amx_rows`` or more, or without tiles, the call does not read them."""
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 96), np.float32)
+    stack = jax.numpy.asarray(np.stack([_in_panels(w, 1) for w in rng.standard_normal((3, 96, 128), np.float32)]))
+    tiles = cpu_dense.weight_tiles(stack)
+    assert tiles.shape == (3, 4, 3, 6 * 512) and tiles.dtype == np.uint16
+    residual = jax.numpy.asarray(rng.standard_normal((rows, 128), np.float32))
+    for how in ({}, {"gated": True}, {"residual": residual}):
+        for layer in (0, 2):
+            def call(**kw):
+                return np.asarray(jax.jit(functools.partial(cpu_dense.matmul, panels=stack, layer=layer, **how, **kw))(x))
+
+            split, fma = call(amx_rows=1), call()
+            np.testing.assert_array_equal(call(kept_rows=rows, tiles=tiles), split, err_msg=str((how.keys(), layer)))
+            np.testing.assert_array_equal(call(kept_rows=rows + 1, tiles=tiles), fma)
+            np.testing.assert_array_equal(call(kept_rows=1, amx_rows=rows, tiles=tiles), split)
+            np.testing.assert_array_equal(call(kept_rows=1), fma)
+    flipped = np.asarray(tiles).copy()
+    flipped[1] ^= 0x4000  # layer 1's tiles wrong: a call at layer 1 reads them (and not layer 0's or 2's)
+    np.testing.assert_raises(AssertionError, np.testing.assert_array_equal,
+                             np.asarray(cpu_dense.matmul(x, stack, 1, kept_rows=1, tiles=jax.numpy.asarray(flipped))),
+                             np.asarray(cpu_dense.matmul(x, stack, 1, amx_rows=1)))
+
+
 def test_kernel_is_built():
     """The kernel itself runs in the test above, not XLA's fallback: numba builds the handler here."""
     assert cpu_dense.prepare()

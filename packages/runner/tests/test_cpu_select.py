@@ -143,10 +143,21 @@ def _amx_figures(kernel: float, amx: float) -> dict:
 def test_amx_tiles_run_from_the_rows_they_won_at():
     """AMX's tiles from the decode rows where they won there; else from the rows above them where they won at the
     prefill rows; never where they lost at the prefill rows or were not measured (a CPU without them)."""
-    assert sel.amx_rows({"decode": _amx_figures(1, 2), "prefill": _amx_figures(4, 3)}, 64) == 65
-    assert sel.amx_rows({"decode": _amx_figures(2, 1), "prefill": _amx_figures(4, 3)}, 64) == 64
-    assert sel.amx_rows({"decode": _amx_figures(2, 1), "prefill": _amx_figures(3, 4)}, 64) is None
-    assert sel.amx_rows({"decode": _figures(1, 2), "prefill": _figures(3, 4)}, 64) is None
+    assert sel.amx_choice({"decode": _amx_figures(1, 2), "prefill": _amx_figures(4, 3)}, 64, 512) == (65, None)
+    assert sel.amx_choice({"decode": _amx_figures(2, 1), "prefill": _amx_figures(4, 3)}, 64, 512) == (64, None)
+    assert sel.amx_choice({"decode": _amx_figures(2, 1), "prefill": _amx_figures(3, 4)}, 64, 512) == (None, None)
+    assert sel.amx_choice({"decode": _figures(1, 2), "prefill": _figures(3, 4)}, 64, 512) == (None, None)
+
+
+def test_kept_amx_tiles_run_from_the_decode_rows_where_they_won_there():
+    """Tiles kept where they beat the FMA tiles at the decode rows: from there on, up to the prefill rows where
+    splitting the weight at each call measured faster there; not kept where they lost at the decode rows."""
+    def figures(kernel, amx, kept):
+        return {"kernel": kernel, "xla": 9.0, "amx": amx, "amx_kept": kept}
+
+    assert sel.amx_choice({"decode": figures(2, 3, 1), "prefill": figures(4, 3, 2)}, 64, 512) == (None, 64)
+    assert sel.amx_choice({"decode": figures(2, 3, 1), "prefill": figures(4, 2, 3)}, 64, 512) == (512, 64)
+    assert sel.amx_choice({"decode": figures(1, 3, 2), "prefill": figures(4, 3, 2)}, 64, 512) == (65, None)
 
 
 @pytest.mark.parametrize("amx_here", [True, False])
@@ -174,10 +185,14 @@ def test_the_dense_tiles_follow_the_probe_or_the_option(monkeypatch, fresh, amx_
     assert calls[-1] == (("dense_matmuls",) if amx_here else ("dense_matmuls", "decode_attention", "prefill_attention"))
     assert forced.dense_amx_rows == (LIMITS.max_num_seqs + 1 if amx_here else None)
     if amx_here:
-        assert sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx"), LIMITS).dense_amx_rows == 1
+        split = sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx"), LIMITS)
+        kept = sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx-kept"), LIMITS)
+        assert (split.dense_amx_rows, split.dense_kept_rows, split.keeps_tiles) == (1, None, False)
+        assert (kept.dense_amx_rows, kept.dense_kept_rows, kept.keeps_tiles) == (None, 1, True)
     else:
-        with pytest.raises(ValueError, match="dense_tiles='amx' needs a CPU with AMX's bf16 tiles .* use 'auto' or "
-                                             "'vector'"):
-            sel.select(mesh, CFG, sel.KernelOptions(dense_tiles="amx"), LIMITS)
-    with pytest.raises(ValueError, match="dense_tiles='tf32'; use 'auto', 'vector' or 'amx'"):
+        for tiles in ("amx", "amx-kept"):
+            with pytest.raises(ValueError, match=f"dense_tiles='{tiles}' needs a CPU with AMX's bf16 tiles .* use "
+                                                 "'auto' or 'vector'"):
+                sel.select(mesh, CFG, sel.KernelOptions(dense_tiles=tiles), LIMITS)
+    with pytest.raises(ValueError, match="dense_tiles='tf32'; use 'auto', 'vector', 'amx' or 'amx-kept'"):
         sel.KernelOptions(dense_tiles="tf32")

@@ -90,17 +90,24 @@ def _amx_here() -> bool:
 @pytest.mark.parametrize("pp,tp,chunk,dense,tied,tiles", [
     (1, 1, None, "cpu-kernel", False, "auto"), (2, 1, 4, "cpu-kernel", True, "auto"), (1, 1, 4, "xla", True, "auto"),
     pytest.param(1, 1, 4, "cpu-kernel", True, "amx",
+                 marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU")),
+    pytest.param(2, 1, 4, "cpu-kernel", False, "amx-kept",
                  marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU"))],
-    ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied", "pp1tp1-chunk4-tied-amx"])
+    ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied", "pp1tp1-chunk4-tied-amx", "pp2tp1-chunk4-amx-kept"])
 def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense, tied, tiles):
     """Greedy decode over weights in panels matches transformers': on the dense kernel (its tiles as measured, or
-    every dense matmul on AMX's bf16 tiles at fp32 accuracy, "amx", where the CPU has them), or XLA's dot."""
+    every dense matmul on AMX's bf16 tiles at fp32 accuracy where the CPU has them: "amx" splitting the weight at
+    each call, "amx-kept" over its tiles kept from load, the decode steps' per-layer views included), or XLA's dot."""
     model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY, tie_word_embeddings=tied)
     expected = hf_greedy(model, PROMPTS, 32)
     stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense, dense_tiles=tiles)
     assert [s.dense_matmuls for s in stages.stages] == [dense] * pp
     if tiles == "amx":
         assert [s.selection.dense_amx_rows for s in stages.stages] == [1] * pp
+    if tiles == "amx-kept":  # every dense weight keeps its tiles, and the decode layers' views alias them
+        assert all(w.tiles is not None for s in stages.stages for w in s.params.values() if isinstance(w, Panels))
+        assert all(w.tiles is not None for s in stages.stages for layer in s._decode_params["layers"]
+                   for w in layer.values() if isinstance(w, Panels))
     layers = ["layers.down", "layers.gate_up", "layers.o", "layers.qkv"] if dense == "cpu-kernel" else []
     for s in stages.stages:  # every dense weight in panels where the kernel runs; none otherwise
         # the LM head's weight, or the tied embedding wherever a stage holds it (the first stage's too)

@@ -381,7 +381,7 @@ def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
 def _rows(w: jax.Array | Panels | Quantized) -> list:
     """A stacked weight's layers (panels: the whole stack and a layer index, as the dense kernel reads them)."""
     if isinstance(w, Panels):
-        return [Panels(w.data, i) for i in range(w.data.shape[0])]
+        return [w.at(i) for i in range(w.data.shape[0])]
     if isinstance(w, QuantizedPanels):
         return [w.at(i) for i in range(w.q.shape[0])]
     if isinstance(w, Quantized):
@@ -433,12 +433,9 @@ def stage_forward(
             whole |= {n: w for n, w in scanned.items() if isinstance(w, QuantizedPanels)}
         scanned = {n: w for n, w in scanned.items() if n not in whole}
 
-        def at(w, idx):
-            return Panels(w.data, idx) if isinstance(w, Panels) else w.at(idx)
-
         def step(c, xs):
             p, idx = xs
-            return layer(c, {**p, **{n: at(w, idx) for n, w in whole.items()}}, idx), None
+            return layer(c, {**p, **{n: w.at(idx) for n, w in whole.items()}}, idx), None
 
         carry, _ = jax.lax.scan(step, carry, (scanned, jnp.arange(num_layers)))
     x, k_all, v_all = carry

@@ -63,14 +63,20 @@ class Panels:
     """A dense weight stored in panels (see PANEL); ``data`` is the array. A pytree node, so a layer scan or
     per-layer views slice ``data`` as they would the weight itself. With ``layer`` (a scalar index), ``data`` is
     every layer's [L, ...] and the weight is layer ``layer`` of them: the layer scan hands the dense kernel the
-    whole stack and the index, as XLA would copy a dynamic slice of it into the kernel's own buffer."""
+    whole stack and the index, as XLA would copy a dynamic slice of it into the kernel's own buffer. ``tiles``: the
+    weight also split into AMX's bf16 tiles (``cpu.dense.weight_tiles``, [L, ...] as ``data``), which the dense
+    kernel reads on AMX instead of splitting the weight at each call; None: not kept."""
 
-    def __init__(self, data: jax.Array, layer: jax.Array | None = None):
-        self.data, self.layer = data, layer
+    def __init__(self, data: jax.Array, layer: jax.Array | None = None, tiles: jax.Array | None = None):
+        self.data, self.layer, self.tiles = data, layer, tiles
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        return self.data.nbytes + (0 if self.tiles is None else self.tiles.nbytes)
+
+    def at(self, layer: jax.Array | int) -> Panels:
+        """Layer ``layer`` of a stacked weight: the whole stack and the index, as the dense kernel reads them."""
+        return Panels(self.data, layer, self.tiles)
 
     def columns(self, index: jax.Array) -> jax.Array:
         """Output columns ``index`` [T] of a weight [K, N] (no lead dims) as rows [T, K]: the tied embedding's
@@ -78,7 +84,7 @@ class Panels:
         return self.data[index // PANEL, :, index % PANEL]
 
     def tree_flatten(self):
-        return (self.data, self.layer), None
+        return (self.data, self.layer, self.tiles), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -144,7 +150,8 @@ def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable
         flat = x.reshape(x.shape[0], -1)  # [T, Kc]
         layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
         flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
-        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual)
+        tiles = {} if w.tiles is None else {"tiles": w.tiles.reshape(layers, -1, *w.tiles.shape[-2:])}
+        y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual, **tiles)
         return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
     if w.layer is not None:
         data = data[w.layer]

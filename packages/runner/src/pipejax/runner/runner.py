@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 LOGPROB_BUCKETS = (0, 1, 5, 20)
 
 
+def _param_bytes(params: dict) -> int:
+    return sum(w.nbytes for w in params.values())
+
+
 def kv_bytes_per_block(cfg: ModelConfig, stage: StageConfig, tp: int, block_size: int) -> int:
     """Bytes one KV block takes on each device of the stage (K and V, all the stage's layers)."""
     L, _, _, heads, head_dim = kv_cache_spec(cfg, stage, tp, 1, block_size).shape
@@ -85,6 +89,8 @@ class StageRunner:
         self._kernel_build = build_in_background(self.selection)  # kernels numba has not built yet
         if self.impl is NATIVE:
             self.params = load_stage_params(self.model_path, self.cfg, stage, mesh, panels=self.selection.panels)
+            if self.selection.keeps_tiles:
+                self.params = self._keep_tiles(self.params)
         else:
             self.params = self.impl.load_params(self.model_path, self.cfg, stage, mesh)
         self.compiled_shapes: set[tuple] = set()
@@ -103,6 +109,16 @@ class StageRunner:
                 log.warning("stage %d: decode steps run the layer scan: %s", stage.pp_rank, e)
         if cache.num_blocks is not None:  # else the caller sizes it once the weights are in memory
             self.allocate_kv_cache(cache.num_blocks)
+
+    def _keep_tiles(self, params: dict) -> dict:
+        from pipejax.runner.cpu import dense
+
+        started, before = time.perf_counter(), _param_bytes(params)
+        params = dense.keep_tiles(params)
+        log.info("stage %d: the dense weights' AMX tiles kept beside their panels (faster from %d rows here): %.0f MB "
+                 "more, split in %.1fs", self.stage.pp_rank, self.selection.dense_kept_rows,
+                 (_param_bytes(params) - before) / 1e6, time.perf_counter() - started)
+        return params
 
     def _select(self, options: KernelOptions) -> Selection:
         return select(self.mesh, self.cfg, options, self.limits, native=self.impl is NATIVE,
@@ -139,6 +155,8 @@ class StageRunner:
             log.info("stage %d: the dense kernel measured faster here; it runs from the next start (the weights "
                      "were laid out for XLA's dots at load)", self.stage.pp_rank)
             chosen = dataclasses.replace(chosen, dense_matmuls=self.selection.dense_matmuls)
+        # the same for AMX's kept tiles: made at load (and aliased by the decode layers' views) or not at all
+        chosen = dataclasses.replace(chosen, dense_kept_rows=self.selection.dense_kept_rows)
         switched = [n for n in (*KERNEL_NAMES, "quantized_kernel") if getattr(chosen, n) != getattr(self.selection, n)]
         log.info("stage %d: CPU kernels built in the background, measured in %.1fs; %s", self.stage.pp_rank,
                  time.perf_counter() - started,

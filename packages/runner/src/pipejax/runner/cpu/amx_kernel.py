@@ -206,7 +206,9 @@ def _advise_huge_pages(typingctx, address, length):
 def _scratch(nbytes):
     """An uninitialised buffer of ``nbytes`` in 2 MB pages where the system gives them: (its owner, which must stay
     alive while the address is used; its 2 MB-aligned address). malloc hands the same memory to the next call of
-    the same size, so the pages are touched once."""
+    the same size, so the pages are touched once. (0 bytes: no buffer, address 0.)"""
+    if nbytes == 0:
+        return np.empty(0, np.uint8), 0
     owner = np.empty(nbytes + HUGE_PAGE, np.uint8)
     start = (owner.ctypes.data + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     _advise_huge_pages(start, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE)
@@ -282,16 +284,20 @@ def _sizes(m, kc, panels):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True)
-def matmul(x_addr, w_addr, out_addr, m, kc, panels, gated, add):
+def matmul(x_addr, w_addr, out_addr, m, kc, panels, gated, add, tiles):
     """out [m, N] = x [m, kc] @ w (panels [panels, kc, 32]; ``add``: +=), or with ``gated`` silu(gate) * up over the
-    panels' halves (N = panels / 2 x 32), on the calling thread. kc: whole blocks of 32."""
+    panels' halves (N = panels / 2 x 32), on the calling thread. kc: whole blocks of 32. ``tiles``: the address of
+    w's tiles as ``split_panels`` wrote them (0: split here)."""
     blocks, x_bytes, w_bytes, group = _sizes(m, kc, panels)
     x_owner, xs = _scratch(x_bytes)
-    w_owner, ws = _scratch(w_bytes)
+    w_owner, ws = _scratch(0 if tiles else w_bytes)
     for rb in range(blocks):
         _split_x_block(x_addr, m, kc, xs, rb)
-    for p in range(panels):
-        _split_panel(w_addr, kc, p, ws)
+    if tiles:
+        ws = tiles
+    else:
+        for p in range(panels):
+            _split_panel(w_addr, kc, p, ws)
     for first in range(0, blocks * 16, group):
         for t in range(panels // 2 if gated else panels):
             _output_task(xs, ws, out_addr, m, kc, panels, first, min(group, blocks * 16 - first), t, gated, add)
@@ -299,19 +305,35 @@ def matmul(x_addr, w_addr, out_addr, m, kc, panels, gated, add):
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
-def matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, gated, add):
+def matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, gated, add, tiles):
     """The same with the row blocks, the panels and then the output panels of each group spread over numba's
     threads (TBB)."""
     blocks, x_bytes, w_bytes, group = _sizes(m, kc, panels)
     x_owner, xs = _scratch(x_bytes)
-    w_owner, ws = _scratch(w_bytes)
+    w_owner, ws = _scratch(0 if tiles else w_bytes)
     for rb in numba.prange(blocks):
         _split_x_block(x_addr, m, kc, xs, rb)
-    for p in numba.prange(panels):
-        _split_panel(w_addr, kc, p, ws)
+    if tiles:
+        ws = tiles
+    else:
+        for p in numba.prange(panels):
+            _split_panel(w_addr, kc, p, ws)
     outs = panels // 2 if gated else panels  # (computed in the prange's own header, the loop ran serially)
     for first in range(0, blocks * 16, group):
         rows = min(group, blocks * 16 - first)
         for t in numba.prange(outs):
             _output_task(xs, ws, out_addr, m, kc, panels, first, rows, t, gated, add)
     return x_owner.size + w_owner.size
+
+
+@numba.njit(cache=True, parallel=True)
+def split_panels(w_addr, panels, kc, tiles):
+    """Every panel of w (``panels`` of them, [panels, kc, 32]: all layers' of a stacked weight) -> its tiles at
+    ``tiles`` (``panels`` x kc / 32 x 6 tiles, the layout ``matmul`` reads), once: a weight kept with its tiles skips
+    the split at every call. Their pages are advised 2 MB before the first write (the buffer is untouched)."""
+    first = (tiles + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    end = (tiles + panels * kc // 32 * 6 * TILE) // HUGE_PAGE * HUGE_PAGE
+    if end > first:
+        _advise_huge_pages(first, end - first)
+    for p in numba.prange(panels):
+        _split_panel(w_addr, kc, p, tiles)

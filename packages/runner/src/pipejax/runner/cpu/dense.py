@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from pipejax.runner.cpu import isa
 from pipejax.runner.cpu.build import build_and_register
-from pipejax.runner.panels import swiglu
+from pipejax.runner.panels import Panels, swiglu
 
 KERNEL = "pipejax.runner.cpu.dense_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_panel_matmul"
@@ -41,16 +41,28 @@ def prepare() -> bool:
     return _handler() is not None
 
 
-def for_mesh(mesh: Mesh, amx_rows: int | None = None) -> Callable | None:
+def for_mesh(mesh: Mesh, amx_rows: int | None = None, kept_rows: int | None = None) -> Callable | None:
     """The kernel for a stage on ``mesh``: on one device; None (XLA's dot) over several (which ``use_panels``
-    leaves in their own layout). ``amx_rows``: calls of that many rows or more run on AMX's tiles (``matmul``)."""
+    leaves in their own layout). ``amx_rows``: calls of that many rows or more run on AMX's tiles, splitting the
+    weight; ``kept_rows``: calls from that many rows (below ``amx_rows``) on the weight's kept tiles (``matmul``)."""
     if mesh.devices.size != 1:
         return None
-    if amx_rows is None:
+    if amx_rows is None and kept_rows is None:
         return matmul
     if not amx_ready():
         raise RuntimeError("the dense kernel was asked to run on AMX's tiles, which this process cannot use")
-    return functools.partial(matmul, amx_rows=amx_rows)
+    return functools.partial(matmul, amx_rows=amx_rows, kept_rows=kept_rows)
+
+
+def keep_tiles(params: dict) -> dict:
+    """``params`` with every dense weight in panels (not a MoE's routed experts) also kept as AMX's tiles
+    (``weight_tiles``, 1.5x its panels' bytes), for ``matmul``'s ``kept_rows``."""
+    def kept(name, w):
+        if not isinstance(w, Panels) or w.tiles is not None or "experts" in name or tiles_shape(w.data.shape) is None:
+            return w
+        return Panels(w.data, w.layer, weight_tiles(w.data).block_until_ready())  # one at a time: no second peak
+
+    return {name: kept(name, w) for name, w in params.items()}
 
 
 def amx_ready() -> bool:
@@ -61,14 +73,16 @@ def amx_ready() -> bool:
 
 # What a kernel call computes (its int32 mode operand): x @ w; silu(gate) * up; residual + x @ w, written over the
 # residual (a decoder layer's o and down projections); residual + a Mixture-of-Experts layer's routed experts.
-PLAIN, GATED, ADD, ROUTED = 0, 1, 2, 3
+PLAIN, GATED, ADD, ROUTED, SPLIT = 0, 1, 2, 3, 4  # SPLIT: a weight's panels -> its AMX tiles (``weight_tiles``)
 AMX = 8  # a flag on PLAIN, GATED or ADD: the call runs on AMX's bf16 tiles at fp32 accuracy (``amx_kernel``)
+TILED = 16  # a flag with AMX: the weight's tiles come split already (``weight_tiles``), an operand after the mode
 # the largest weight the AMX path splits into its tiles per call (6 bytes a weight): an LM head stays on the FMA tiles
 AMX_MAX_TILE_BYTES = 64 << 20
 
 
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
-           residual: jax.Array | None = None, amx_rows: int | None = None) -> jax.Array:
+           residual: jax.Array | None = None, amx_rows: int | None = None, kept_rows: int | None = None,
+           tiles: jax.Array | None = None) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
@@ -76,7 +90,9 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     back). ``residual`` [M, P * PANEL]: the result is residual + x @ w, the kernel adding each output tile to the
     residual in place (XLA's add would read the product back from memory written by another thread).
     ``amx_rows``: with at least that many rows (and a contraction of whole blocks of 32, a weight within
-    ``AMX_MAX_TILE_BYTES`` as tiles), the call runs on AMX's tiles (``for_mesh`` checks that it can)."""
+    ``AMX_MAX_TILE_BYTES`` as tiles), the call runs on AMX's tiles (``for_mesh`` checks that it can), splitting the
+    weight into them. ``tiles``: the weight's tiles kept (``weight_tiles``, [L, ...] as ``panels``), which a call
+    of ``kept_rows`` rows or more (and fewer than ``amx_rows``) reads instead."""
     n = panels.shape[1] * panels.shape[3]
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
@@ -86,13 +102,38 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
         return y if residual is None else residual + y
     layer = jnp.asarray(layer, jnp.int32)
     kc = panels.shape[2]
-    amx = AMX if (amx_rows is not None and x.shape[0] >= amx_rows and kc % 32 == 0
-                  and n * kc * 6 <= AMX_MAX_TILE_BYTES) else 0
+    m = x.shape[0]
+    kept = tiles is not None and kept_rows is not None and m >= kept_rows and (amx_rows is None or m < amx_rows)
+    amx = AMX | TILED if kept else AMX if (amx_rows is not None and m >= amx_rows and kc % 32 == 0
+                                           and n * kc * 6 <= AMX_MAX_TILE_BYTES) else 0
+    given = (tiles,) if kept else ()
     if residual is not None:
-        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32), input_output_aliases={4: 0})
-        return call(x, panels, layer, jnp.int32(ADD | amx), residual.astype(jnp.float32))
+        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32),
+                                input_output_aliases={4 + len(given): 0})
+        return call(x, panels, layer, jnp.int32(ADD | amx), *given, residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
-    return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | amx))
+    return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | amx), *given)
+
+
+def tiles_shape(panels_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape of ``weight_tiles`` for panels of ``panels_shape`` ([*lead, P, Kc, PANEL]): [*lead, P, Kc / 32,
+    6 x 512] (3 bf16 pieces x 2 halves of 16 columns, a 16 x 32 tile each); None where Kc is no whole number of
+    blocks of 32 (such a weight stays on the FMA tiles)."""
+    *lead, kc, _ = panels_shape
+    return None if kc % 32 else (*lead, kc // 32, 6 * 512)
+
+
+@jax.jit
+def weight_tiles(panels: jax.Array) -> jax.Array:
+    """``panels`` [*lead, P, Kc, PANEL] float32 split once into AMX's tiles (``amx_kernel.split_panels``), uint16
+    [*lead, P, Kc / 32, 6 x 512]: kept beside the panels, a call on AMX's tiles reads them instead of splitting the
+    weight again (6 bytes a weight; needs the kernel built here and a CPU with AMX)."""
+    if _handler() is None or not amx_ready():
+        raise RuntimeError("a weight's AMX tiles need the dense kernel built here and a CPU with AMX's bf16 tiles")
+    flat = panels.reshape(-1, *panels.shape[-3:])  # [L P, ...]: the handler splits every panel in turn
+    out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((*flat.shape[:2], flat.shape[2] // 32, 6 * 512), jnp.uint16))
+    tiles = out(flat[:1, :1, :32, :1], flat, jnp.int32(0), jnp.int32(SPLIT))
+    return tiles.reshape(tiles_shape(panels.shape))
 
 
 def routed_experts(x: jax.Array, gate_up: jax.Array, down: jax.Array, first: jax.Array | int, chosen: jax.Array,

@@ -20,7 +20,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu import amx_kernel, isa, prefetch
-from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED
+from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED, SPLIT, TILED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
@@ -357,20 +357,24 @@ def _routed_operands(frame):
 
 @numba.njit(inline="always")
 def _operands(frame):
-    """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``); x's address, layer ``layer``'s panels'
-    address, out's; rows, contraction and panels (x [M, Kc], w [L, P, Kc, PANEL], layer and mode int32 scalars;
-    in ``ADD`` mode a fifth operand, the residual, is out's own buffer)."""
-    args, rets = arguments(frame, 4)
+    """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``, flags ``AMX`` and ``TILED``); x's address, layer
+    ``layer``'s panels' address, out's, its tiles' (0 without ``TILED``); rows, contraction and panels (x [M, Kc],
+    w [L, P, Kc, PANEL], layer and mode int32 scalars; with ``TILED`` a fifth operand, w's tiles [L, P, Kc / 32,
+    6 x 512] uint16; in ``ADD`` mode the last operand, the residual, is out's own buffer)."""
+    args, rets = arguments(frame, 5)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
-    w_addr = address(w_data) + scalar_i32(args, 2) * w_dims[1] * w_dims[2] * PANEL * 4
-    return scalar_i32(args, 3), address(x_data), w_addr, address(buffer(rets, 0)[0]), x_dims[0], x_dims[1], w_dims[1]
+    layer, mode = scalar_i32(args, 2), scalar_i32(args, 3)
+    w_addr = address(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
+    tiles = address(buffer(args, 4)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE if mode & TILED else 0
+    return mode, address(x_data), w_addr, address(buffer(rets, 0)[0]), tiles, x_dims[0], x_dims[1], w_dims[1]
 
 
 @numba.njit(inline="always")
-def _by_mode(glu, matmul, amx, mode, x_addr, w_addr, out_addr, m, kc, panels):
+def _by_mode(glu, matmul, amx, mode, x_addr, w_addr, out_addr, tiles, m, kc, panels):
     if mode & AMX:
-        amx(x_addr, w_addr, out_addr, m, kc, panels, (mode & ~AMX) == GATED, (mode & ~AMX) == ADD)
+        plain = mode & ~(AMX | TILED)
+        amx(x_addr, w_addr, out_addr, m, kc, panels, plain == GATED, plain == ADD, tiles)
     elif mode == GATED:
         glu(x_addr, w_addr, out_addr, m, kc, panels)
     else:
@@ -383,35 +387,53 @@ def _whole_frame(frame):
 
 
 @numba.njit(inline="always")
-def _call(frame, routed, glu, matmul, amx):
-    """The call's kernel on its operands: the routed experts (``ROUTED`` mode), or a dense matmul (on AMX's tiles
-    where the mode has ``AMX``)."""
-    if scalar_i32(arguments(frame, 4)[0], 3) == ROUTED:
+def _split(frame, split):
+    """``SPLIT`` mode: every panel of w [L, P, Kc, PANEL] (the second operand) -> its AMX tiles, out [L, P, Kc / 32,
+    6 x 512] uint16."""
+    args, rets = arguments(frame, 2)
+    w_data, w_dims = buffer(args, 1)
+    split(address(w_data), w_dims[0] * w_dims[1], w_dims[2], address(buffer(rets, 0)[0]))
+
+
+@numba.njit(inline="always")
+def _call(frame, routed, glu, matmul, amx, split):
+    """The call's kernel on its operands: the routed experts (``ROUTED`` mode), a weight's split into AMX's tiles
+    (``SPLIT``), or a dense matmul (on AMX's tiles where the mode has ``AMX``)."""
+    mode = scalar_i32(arguments(frame, 4)[0], 3)
+    if mode == ROUTED:
         x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
         routed(x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm)
+    elif mode == SPLIT:
+        _split(frame, split)
     else:
-        mode, x, w, out, m, kc, panels = _operands(frame)
-        _by_mode(glu, matmul, amx, mode, x, w, out, m, kc, panels)
+        mode, x, w, out, tiles, m, kc, panels = _operands(frame)
+        _by_mode(glu, matmul, amx, mode, x, w, out, tiles, m, kc, panels)
 
 
 @numba.njit
-def _no_amx(x_addr, w_addr, out_addr, m, kc, panels, gated, add):
+def _no_amx(x_addr, w_addr, out_addr, m, kc, panels, gated, add, tiles):
     """The AMX path where numba's target has no AMX (``select`` never asks for it there): nothing to compile."""
     return 0
 
 
+@numba.njit
+def _no_split(w_addr, panels, kc, tiles):
+    return 0
+
+
 # (the AMX path adds ~7 s to a cold build of the handler: only where it can run)
-_amx, _amx_parallel = (amx_kernel.matmul, amx_kernel.matmul_parallel) if isa.amx() else (_no_amx, _no_amx)
+_amx, _amx_parallel, _split_panels = ((amx_kernel.matmul, amx_kernel.matmul_parallel, amx_kernel.split_panels)
+                                      if isa.amx() else (_no_amx, _no_amx, _no_split))
 
 
 @numba.njit
 def _dense(frame):
-    _call(frame, _routed, _glu, _matmul, _amx)
+    _call(frame, _routed, _glu, _matmul, _amx, _split_panels)
 
 
 @numba.njit
 def _dense_parallel(frame):
-    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel)
+    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel, _split_panels)
 
 
 def _handler(frame_addr):  # compiled by compile_handler

@@ -45,7 +45,8 @@ def _layers_of(w: jax.Array) -> list[jax.Array]:
 
 def _layers(w: jax.Array | Panels | Quantized) -> list:
     if isinstance(w, Panels):
-        return [Panels(v) for v in _layers_of(w.data)]
+        tiles = [None] * w.data.shape[0] if w.tiles is None else _layers_of(w.tiles)
+        return [Panels(v, None, t) for v, t in zip(_layers_of(w.data), tiles, strict=True)]
     if isinstance(w, (Quantized, QuantizedPanels)):  # each of its parts by layers
         parts = [None if a is None else _layers_of(a) for a in (w.q, w.scale, w.offset)]
         return [dataclasses.replace(w, q=q, scale=s, offset=None if parts[2] is None else parts[2][i])

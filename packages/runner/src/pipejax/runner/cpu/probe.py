@@ -47,8 +47,8 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 0.0
 
 def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
     """x [rows, E] through a gate/up weight [E, 2F] and silu(gate) * up: the dense kernel over panels against
-    XLA's dot over the weight's own layout; where this process can use AMX's tiles, the kernel on them too
-    ("amx")."""
+    XLA's dot over the weight's own layout; where this process can use AMX's tiles, the kernel on them too,
+    splitting the weight at each call ("amx") and over its tiles split once ("amx_kept")."""
     from pipejax.runner.cpu import dense as cpu_dense
 
     E, F = cfg.hidden_size, max(PANEL, -(-cfg.intermediate_size // PANEL) * PANEL)  # whole panels
@@ -61,7 +61,10 @@ def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
         candidates = {"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w)}
         if cpu_dense.amx_ready() and E % PANEL == 0:
             amx = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True, amx_rows=1))
+            kept = jax.jit(lambda x, p, t: cpu_dense.matmul(x, p, 0, gated=True, kept_rows=1, tiles=t))
+            tiles = cpu_dense.weight_tiles(panels)
             candidates["amx"] = lambda: amx(x, panels)
+            candidates["amx_kept"] = lambda: kept(x, panels, tiles)
         return alternated_ms(candidates)
 
 

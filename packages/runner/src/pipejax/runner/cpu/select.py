@@ -5,8 +5,9 @@ attention) replaces part of ``model.py``'s XLA formulation. Whether it is faster
 AVX-512 EPYC the kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64
 rows. So "auto" measures, on the host at hand, each kernel against XLA's formulation of the same operation at
 the stage's own shapes (``probe``) and runs a kernel only where it was faster; "xla" or "cpu-kernel" force a
-choice. Where the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, which then run from the
-rows they won at (``amx_rows``; ``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per
+choice. Where the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, splitting the weight at
+each call and reading its tiles split once and kept (1.5x the weights' bytes more), which then run from the rows
+they won at (``amx_choice``; ``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per
 host signature (CPU model and ISA flags, cores, versions, the XLA and numba target settings) and shapes: in the
 process, and in a JSON file next to JAX's compilation cache where that is on, so a restart measures nothing (and
 compiles the same step programs).
@@ -43,8 +44,10 @@ log = logging.getLogger(__name__)
 
 KERNEL_CHOICES = ("auto", "xla", "cpu-kernel")
 # The dense kernel's tiles: "vector" (FMAs on vector registers), "amx" (AMX's bf16 tiles at fp32 accuracy, where the
-# CPU has them, ``amx_kernel``), "auto" (AMX where the CPU has it and it measured faster, from the rows it won at).
-DENSE_TILES = ("auto", "vector", "amx")
+# CPU has them, ``amx_kernel``, the weight split into them at each call), "amx-kept" (the same over each weight's
+# tiles split once at load and kept beside its panels: 6 more bytes a weight), "auto" (AMX where the CPU has it
+# and it measured faster, each way from the rows it won at).
+DENSE_TILES = ("auto", "vector", "amx", "amx-kept")
 # /proc/cpuinfo flags a verdict depends on (vector width, FMA, the matrix units)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni",
              "amx_tile", "amx_bf16", "amx_int8", "neon", "asimd", "sve")
@@ -57,7 +60,7 @@ KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args)
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
-PROBES_VERSION = 2  # part of a remembered verdict's key: raised when the probes measure more (2: AMX's tiles)
+PROBES_VERSION = 3  # part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles)
 
 
 def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
@@ -94,7 +97,7 @@ class KernelOptions:
         if self.few_row_dots not in ("auto", *dots.CHOICES):
             raise ValueError(f"few_row_dots={self.few_row_dots!r}; use 'auto', 'ynnpack' or 'eigen'")
         if self.dense_tiles not in DENSE_TILES:
-            raise ValueError(f"dense_tiles={self.dense_tiles!r}; use 'auto', 'vector' or 'amx'")
+            raise ValueError(f"dense_tiles={self.dense_tiles!r}; use 'auto', 'vector', 'amx' or 'amx-kept'")
         if self.build not in KERNEL_BUILDS:
             raise ValueError(f"CPU kernel build={self.build!r}; use 'background', 'wait' or 'cached' "
                              f"(--cpu-kernel-build / {KERNEL_BUILD_ENV})")
@@ -105,7 +108,8 @@ class Selection:
     """What a stage runs: "cpu-kernel" or "xla" per kernel, "unrolled" or "scan" decode layers, the few-row dots'
     library (None off CPU; "auto": measured at the first such step, ``dots``), the measurements behind it, the
     kernels still to build (``pending``: running XLA's formulation until then), and from how many rows the dense
-    kernel runs on AMX's tiles (None: never)."""
+    kernel runs on AMX's tiles, splitting the weight (None: never) and over its kept tiles (below the first;
+    None: no tiles kept)."""
 
     dense_matmuls: str
     decode_attention: str
@@ -116,6 +120,12 @@ class Selection:
     pending: tuple[str, ...] = ()
     quantized_kernel: bool = True  # weights kept quantized in panels run the quantized kernel (False: not built yet)
     dense_amx_rows: int | None = None  # the dense kernel's calls of this many rows or more run on AMX's tiles
+    dense_kept_rows: int | None = None  # from this many rows (below dense_amx_rows) on the weights' kept tiles
+
+    @property
+    def keeps_tiles(self) -> bool:
+        """Whether the stage keeps its dense weights' AMX tiles beside their panels (``dense.keep_tiles``)."""
+        return self.panels and self.dense_kept_rows is not None
 
     @property
     def panels(self) -> bool:
@@ -126,7 +136,8 @@ class Selection:
         """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
         from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
-        dense_kernel = dense.for_mesh(mesh, self.dense_amx_rows) if self.dense_matmuls == "cpu-kernel" else None
+        dense_kernel = (dense.for_mesh(mesh, self.dense_amx_rows, self.dense_kept_rows)
+                        if self.dense_matmuls == "cpu-kernel" else None)
         return Kernels(
             dense=dense_kernel,
             # a MoE's experts are in panels where the dense weights are: the same kernel reads each one's routed rows
@@ -194,8 +205,8 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
     measured = measured_choices(cfg, len(devices), limits, auto, remember_in) if auto else {}
     chosen = {name: ("cpu-kernel" if getattr(options, name) == "cpu-kernel" else
                      measured[name]["choice"] if name in measured else "xla") for name in fits}
-    amx_rows = _dense_amx_rows(chosen["dense_matmuls"] == "cpu-kernel", options, cfg, len(devices), limits, measured,
-                               remember_in)
+    amx_rows, kept_rows = _dense_amx_rows(chosen["dense_matmuls"] == "cpu-kernel", options, cfg, len(devices),
+                                          limits, measured, remember_in)
     on_cpu = all(d.platform == "cpu" for d in devices)
     if options.decode_layers == "unrolled" and not (native and on_cpu):
         raise ValueError(f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
@@ -211,37 +222,45 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
         pending=(unbuilt + (QUANTIZED_KERNEL,) * quantized_unbuilt) if options.build == "background" else (),
         quantized_kernel=not quantized_unbuilt,
         dense_amx_rows=amx_rows,
+        dense_kept_rows=kept_rows,
     )
 
 
 def _dense_amx_rows(dense_kernel: bool, options: KernelOptions, cfg: ModelConfig, tp: int, limits: SchedulerConfig,
-                    measured: dict, remember_in: str | None) -> int | None:
-    """From how many rows the dense kernel runs on AMX's tiles (``Selection.dense_amx_rows``): every call where
-    asked "amx"; with "auto", where the CPU has AMX, as the dense probe measured (``amx_rows``); else never."""
+                    measured: dict, remember_in: str | None) -> tuple[int | None, int | None]:
+    """From how many rows the dense kernel runs on AMX's tiles, splitting the weight and over its kept tiles
+    (``Selection.dense_amx_rows``, ``dense_kept_rows``): every call where asked "amx" or "amx-kept"; with "auto",
+    where the CPU has AMX, as the dense probe measured (``amx_choice``); else never."""
     from pipejax.runner.cpu import dense
 
     if not dense_kernel or options.dense_tiles == "vector":
-        return None
-    if options.dense_tiles == "amx":
+        return None, None
+    if options.dense_tiles in ("amx", "amx-kept"):
         if not dense.amx_ready():
-            raise ValueError("dense_tiles='amx' needs a CPU with AMX's bf16 tiles (amx_tile and amx_bf16 in "
-                             "/proc/cpuinfo) and a Linux that grants them; use 'auto' or 'vector'")
-        return 1
+            raise ValueError(f"dense_tiles={options.dense_tiles!r} needs a CPU with AMX's bf16 tiles (amx_tile and "
+                             "amx_bf16 in /proc/cpuinfo) and a Linux that grants them; use 'auto' or 'vector'")
+        return (1, None) if options.dense_tiles == "amx" else (None, 1)
     if not dense.amx_ready():
-        return None
+        return None, None
     if "dense_matmuls" not in measured:  # the kernel was forced: its probe still decides the tiles
         measured = measured_choices(cfg, tp, limits, ("dense_matmuls",), remember_in)
-    return amx_rows(measured["dense_matmuls"], limits.max_num_seqs)
+    return amx_choice(measured["dense_matmuls"], limits.max_num_seqs, probe_shapes(cfg, tp, limits)["prefill_tokens"])
 
 
-def amx_rows(figures: dict, decode_rows: int) -> int | None:
-    """The dense probe's verdict on AMX's tiles: from the decode rows where they were faster there; else from the
-    rows above them where they were faster at the prefill rows (at the rows between, an Intel Xeon measured them
-    even at twice the decode rows and faster from four times); else None."""
+def amx_choice(figures: dict, decode_rows: int, prefill_rows: int) -> tuple[int | None, int | None]:
+    """The dense probe's verdict on AMX's tiles: (from how many rows the weight is split into them at each call,
+    from how many its kept tiles run; None: never). Kept tiles where they beat the FMA tiles at the decode rows:
+    from there, up to the prefill rows if splitting measured faster there (an Intel Xeon: kept from 32 rows, faster
+    than splitting up to ~1024, 5 % slower at 2048). Else splitting from the decode rows where it was faster there;
+    else from the rows above them where it was faster at the prefill rows (at the rows between, an Intel Xeon
+    measured it even at twice the decode rows and faster from four times); else neither."""
     prefill, decode = figures.get("prefill", {}), figures.get("decode", {})
+    if decode.get("amx_kept", float("inf")) < decode["kernel"]:
+        split_wins = prefill.get("amx", float("inf")) < min(prefill.get("amx_kept", float("inf")), prefill["kernel"])
+        return (prefill_rows if split_wins else None), decode_rows
     if "amx" not in prefill or prefill["amx"] >= prefill["kernel"]:
-        return None
-    return decode_rows if decode.get("amx", float("inf")) < decode["kernel"] else decode_rows + 1
+        return None, None
+    return (decode_rows if decode.get("amx", float("inf")) < decode["kernel"] else decode_rows + 1), None
 
 
 def _wrappers() -> dict:
@@ -359,9 +378,10 @@ _in_process: dict[str, dict[str, dict]] = {}
 
 
 def _figures(v: dict) -> str:
+    amx = {"amx": "on AMX's tiles", "amx_kept": "kept"}
     return ", ".join(f"{k} {v[k]['kernel']:.2f} vs xla {v[k]['xla']:.2f}"
-                     + (f" (on AMX's tiles {v[k]['amx']:.2f})" if "amx" in v[k] else "") + " ms"
-                     for k in v if k != "choice")
+                     + "".join(f"; {what} {v[k][name]:.2f}" for name, what in amx.items() if name in v[k])
+                     + " ms" for k in v if k != "choice")
 
 
 def _cfg_for(shapes: dict[str, int]) -> ModelConfig:
