@@ -143,8 +143,9 @@ def test_kept_amx_tiles_give_the_split_ones_bits(rows):
     residual = jax.numpy.asarray(rng.standard_normal((rows, 128), np.float32))
     for how in ({}, {"gated": True}, {"residual": residual}):
         for layer in (0, 2):
-            def call(**kw):
-                return np.asarray(jax.jit(functools.partial(cpu_dense.matmul, panels=stack, layer=layer, **how, **kw))(x))
+            def call(layer=layer, how=how, **kw):
+                fn = functools.partial(cpu_dense.matmul, panels=stack, layer=layer, **how, **kw)
+                return np.asarray(jax.jit(fn)(x))
 
             split, fma = call(amx_rows=1), call()
             np.testing.assert_array_equal(call(kept_rows=rows, tiles=tiles), split, err_msg=str((how.keys(), layer)))

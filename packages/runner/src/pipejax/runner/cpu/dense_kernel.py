@@ -366,7 +366,9 @@ def _operands(frame):
     w_data, w_dims = buffer(args, 1)
     layer, mode = scalar_i32(args, 2), scalar_i32(args, 3)
     w_addr = address(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
-    tiles = address(buffer(args, 4)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE if mode & TILED else 0
+    tiles = 0
+    if mode & TILED:
+        tiles = address(buffer(args, 4)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE
     return mode, address(x_data), w_addr, address(buffer(rets, 0)[0]), tiles, x_dims[0], x_dims[1], w_dims[1]
 
 

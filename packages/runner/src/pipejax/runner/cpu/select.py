@@ -255,7 +255,7 @@ def amx_choice(figures: dict, decode_rows: int, prefill_rows: int) -> tuple[int 
     else from the rows above them where it was faster at the prefill rows (at the rows between, an Intel Xeon
     measured it even at twice the decode rows and faster from four times); else neither."""
     prefill, decode = figures.get("prefill", {}), figures.get("decode", {})
-    if decode.get("amx_kept", float("inf")) < decode["kernel"]:
+    if "amx_kept" in decode and decode["amx_kept"] < decode["kernel"]:
         split_wins = prefill.get("amx", float("inf")) < min(prefill.get("amx_kept", float("inf")), prefill["kernel"])
         return (prefill_rows if split_wins else None), decode_rows
     if "amx" not in prefill or prefill["amx"] >= prefill["kernel"]:
