@@ -218,6 +218,22 @@ def test_the_cpu_kernel_build_setting_reaches_the_stages(monkeypatch):
         engine_config("builtin", cpu_kernel_build="later")
 
 
+def test_the_cpu_dense_tiles_setting_reaches_the_stages(monkeypatch):
+    """The dense kernel's tiles are measured ("auto") unless PIPEJAX_CPU_DENSE_TILES or the keyword (the CLI's
+    --cpu-dense-tiles: "amx" keeps no AMX tiles beside the weights) say otherwise; a bad value names the choices."""
+    from pipejax.ray_executor.engine_args import engine_config, env_keywords
+    from pipejax.runner.cpu.select import DENSE_TILES_ENV
+
+    assert env_keywords()["cpu_dense_tiles"] == DENSE_TILES_ENV
+    monkeypatch.delenv(DENSE_TILES_ENV, raising=False)
+    assert engine_config("builtin").worker_config(1).cpu_dense_tiles == "auto"
+    monkeypatch.setenv(DENSE_TILES_ENV, "amx")
+    assert engine_config("builtin").worker_config(0).cpu_dense_tiles == "amx"
+    assert engine_config("builtin", cpu_dense_tiles="vector").worker_config(0).cpu_dense_tiles == "vector"
+    with pytest.raises(ValueError, match="cpu_dense_tiles='tf32'.*--cpu-dense-tiles.*auto, vector, amx, amx-kept"):
+        engine_config("builtin", cpu_dense_tiles="tf32")
+
+
 def test_the_environment_is_read_at_the_edge_only(monkeypatch, tmp_path):
     """Every variable the engine honours becomes a config field in ``engine_config`` (an explicit keyword
     wins); below it nothing reads the environment, so a config built directly takes the defaults."""

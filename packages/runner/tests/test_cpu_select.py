@@ -134,6 +134,10 @@ def test_the_kernel_build_setting_is_checked():
     with pytest.raises(ValueError, match="PIPEJAX_CPU_KERNEL_BUILD='soon'"):
         sel.cpu_kernel_build_from_env({"PIPEJAX_CPU_KERNEL_BUILD": "soon"})
     assert sel.cpu_kernel_build_from_env({}) == "background"
+    assert sel.cpu_dense_tiles_from_env({}) == "auto"
+    assert sel.cpu_dense_tiles_from_env({"PIPEJAX_CPU_DENSE_TILES": "amx"}) == "amx"
+    with pytest.raises(ValueError, match="PIPEJAX_CPU_DENSE_TILES='tf32'; use one of auto, vector, amx, amx-kept"):
+        sel.cpu_dense_tiles_from_env({"PIPEJAX_CPU_DENSE_TILES": "tf32"})
 
 
 def _amx_figures(kernel: float, amx: float) -> dict:

@@ -50,6 +50,7 @@ def test_config_hides_tp_inside_each_stage(checkpoint):
     assert opts["cpu_kvcache_space"] == cpu_kvcache_space_from_env(os.environ)
     # and how the stages wait for CPU kernels numba has not built (the engines' default: in the background)
     assert opts["cpu_kernel_build"] == os.environ.get("PIPEJAX_CPU_KERNEL_BUILD", "background")
+    assert opts["cpu_dense_tiles"] == os.environ.get("PIPEJAX_CPU_DENSE_TILES", "auto")
 
 
 def test_the_cpu_kv_budget_comes_from_vllms_variable(checkpoint, monkeypatch):

@@ -198,7 +198,7 @@ def plan_stages(pp: int, tp: int, backend: str | None, environ: Mapping[str, str
     """pipejax's layout check for vLLM's pp x tp, each stage process's environment by local rank, and the settings
     ``environ`` gives every stage (the platform is the edge that reads pipejax's environment under vLLM)."""
     from pipejax.pp_utils.config import ParallelConfig
-    from pipejax.runner.cpu.select import cpu_kernel_build_from_env
+    from pipejax.runner.cpu.select import cpu_dense_tiles_from_env, cpu_kernel_build_from_env
     from pipejax.worker.kv_sizing import cpu_kvcache_space_from_env
     from pipejax.worker.vllm_options import VllmStageOptions
     from pipejax.worker.worker import compilation_cache_dir_from_env
@@ -224,6 +224,7 @@ def plan_stages(pp: int, tp: int, backend: str | None, environ: Mapping[str, str
         compilation_cache_dir=compilation_cache_dir_from_env(environ),
         cpu_kvcache_space=cpu_kvcache_space_from_env(environ),  # GiB per host on CPU; None: the default
         cpu_kernel_build=cpu_kernel_build_from_env(environ),
+        cpu_dense_tiles=cpu_dense_tiles_from_env(environ),
     )
 
 

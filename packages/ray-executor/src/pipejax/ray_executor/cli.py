@@ -90,6 +90,10 @@ def _add_engine_args(p: argparse.ArgumentParser, **command_defaults) -> None:
                    "once): background (XLA's formulation until it is built, then measured and switched to), wait, "
                    "cached (only kernels already built) (env PIPEJAX_CPU_KERNEL_BUILD; default {default}; generate: "
                    "cached; bench throughput: wait)")
+    p.add_argument("--cpu-dense-tiles", choices=("auto", "vector", "amx", "amx-kept"), default=None,
+                   help="on CPU: the dense kernel's tiles: auto (measured on the host), vector (FMAs), amx (AMX's bf16 "
+                   "tiles at fp32 accuracy, each weight split into them at every call), amx-kept (its tiles split once "
+                   "and kept: 1.5x the dense weights' bytes more) (env PIPEJAX_CPU_DENSE_TILES; default {default})")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's (generate: what it needs)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="default {default} (generate: the number of prompts)")

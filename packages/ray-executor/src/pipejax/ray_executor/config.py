@@ -75,6 +75,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = dataclasses.field(default_factory=_default_compilation_cache_dir)
     # How a stage waits for a CPU kernel numba has not built on its host (runner.cpu.select.KERNEL_BUILDS).
     cpu_kernel_build: str = "background"
+    # The dense kernel's tiles on CPU (runner.cpu.select.DENSE_TILES; "amx" keeps no AMX tiles beside the weights).
+    cpu_dense_tiles: str = "auto"
     # Benchmarks of the schedule only: every stage's step takes at least this long, asleep for what its real work
     # leaves (``WorkerConfig.simulated_step_s``), so a pipeline's bubbles show on a host with fewer cores than stages.
     simulated_step_s: float = 0.0
@@ -93,5 +95,6 @@ class EngineConfig:
             compilation_cache_dir=self.compilation_cache_dir,
             step_trace_len=self.step_trace_len,
             cpu_kernel_build=self.cpu_kernel_build,
+            cpu_dense_tiles=self.cpu_dense_tiles,
             simulated_step_s=self.simulated_step_s,
         )

@@ -29,7 +29,7 @@ def env_keywords() -> dict[str, str]:
     from pipejax.pp_utils import PARTITION_ENV
     from pipejax.runner.builtin_model import CACHE_DIR_ENV
     from pipejax.runner.config import CPU_KVCACHE_SPACE_ENV
-    from pipejax.runner.cpu.select import KERNEL_BUILD_ENV
+    from pipejax.runner.cpu.select import DENSE_TILES_ENV, KERNEL_BUILD_ENV
     from pipejax.worker.worker import CACHE_DIR_ENV as COMPILATION_CACHE_DIR_ENV
 
     return {
@@ -41,6 +41,7 @@ def env_keywords() -> dict[str, str]:
         "compilation_cache_dir": COMPILATION_CACHE_DIR_ENV,
         "cpu_kvcache_space": CPU_KVCACHE_SPACE_ENV,
         "cpu_kernel_build": KERNEL_BUILD_ENV,
+        "cpu_dense_tiles": DENSE_TILES_ENV,
     }
 
 
@@ -81,6 +82,7 @@ def engine_defaults() -> dict[str, Any]:
         "ray_graph_channel": default(engine.RayConfig, "graph_channel"),
         "recovery_timeout": default(engine.EngineConfig, "recovery_timeout_s"),
         "cpu_kernel_build": default(engine.EngineConfig, "cpu_kernel_build"),
+        "cpu_dense_tiles": default(engine.EngineConfig, "cpu_dense_tiles"),
     }
 
 
@@ -164,6 +166,7 @@ def engine_config(
     model_cache_dir: str | None = None,
     compilation_cache_dir: str | None = None,
     cpu_kernel_build: str | None = None,
+    cpu_dense_tiles: str | None = None,
 ):
     """The ``EngineConfig`` these arguments describe (``model``: see ``resolve_model``).
 
@@ -175,12 +178,13 @@ def engine_config(
     ``model_cache_dir`` (PIPEJAX_CACHE_DIR: where 'builtin' models are generated; ~/.cache/pipejax),
     ``compilation_cache_dir`` (PIPEJAX_COMPILATION_CACHE_DIR; the worker's ``compilation_cache_dir`` rule: ""
     turns the cache off), ``cpu_kvcache_space`` (PIPEJAX_CPU_KVCACHE_SPACE: GiB of host RAM for the KV caches of
-    every stage on a CPU host; ``pipejax.worker.kv_sizing`` has the arithmetic) and ``cpu_kernel_build``
-    (PIPEJAX_CPU_KERNEL_BUILD: how a stage on a CPU host waits for a kernel numba has not built there yet;
-    ``pipejax.runner.cpu.select``). ``gpu_memory_utilization`` None: the CPU budget on CPU, the ``CacheConfig``
-    default on accelerators. ``quantization``: keep the weights quantized (``pipejax.runner.quantized``: "gguf"
-    keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored, "int8"/"int4" quantize float weights as they load;
-    None: float weights). ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
+    every stage on a CPU host; ``pipejax.worker.kv_sizing`` has the arithmetic), ``cpu_dense_tiles``
+    (PIPEJAX_CPU_DENSE_TILES: the CPU dense kernel's tiles, ``pipejax.runner.cpu.select.DENSE_TILES``) and
+    ``cpu_kernel_build`` (PIPEJAX_CPU_KERNEL_BUILD: how a stage on a CPU host waits for a kernel numba has not
+    built there yet; ``pipejax.runner.cpu.select``). ``gpu_memory_utilization`` None: the CPU budget on CPU, the
+    ``CacheConfig`` default on accelerators. ``quantization``: keep the weights quantized
+    (``pipejax.runner.quantized``: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored, "int8"/"int4"
+    quantize float weights as they load; None: float weights). ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
     again (Ray backends), giving up after ``recovery_timeout`` seconds."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import EngineConfig, RayConfig
@@ -196,6 +200,7 @@ def engine_config(
         "model_cache_dir": model_cache_dir,
         "cpu_kvcache_space": cpu_kvcache_space,
         "cpu_kernel_build": cpu_kernel_build,
+        "cpu_dense_tiles": cpu_dense_tiles,
     }
     if recovery not in ("on", "off", True, False, None):
         raise ValueError(f"recovery={recovery!r}; use 'on' or 'off'")
@@ -237,6 +242,7 @@ def engine_config(
             recovery_timeout_s=None if recovery_timeout is None else float(recovery_timeout),
             platform_plugin=env.get("platform_plugin"),
             cpu_kernel_build=_kernel_build(env.get("cpu_kernel_build")),
+            cpu_dense_tiles=_dense_tiles(env.get("cpu_dense_tiles")),
         ),
     )
 
@@ -252,6 +258,15 @@ def _kernel_build(value: str | None) -> str | None:
     if value is not None and value not in KERNEL_BUILDS:
         raise ValueError(f"cpu_kernel_build={value!r} (--cpu-kernel-build / PIPEJAX_CPU_KERNEL_BUILD); use one of "
                          f"{', '.join(KERNEL_BUILDS)}")
+    return value
+
+
+def _dense_tiles(value: str | None) -> str | None:
+    from pipejax.runner.cpu.select import DENSE_TILES
+
+    if value is not None and value not in DENSE_TILES:
+        raise ValueError(f"cpu_dense_tiles={value!r} (--cpu-dense-tiles / PIPEJAX_CPU_DENSE_TILES); use one of "
+                         f"{', '.join(DENSE_TILES)}")
     return value
 
 

@@ -26,6 +26,7 @@ class VllmStageOptions:
     compilation_cache_dir: str | None = None
     cpu_kvcache_space: float | None = None  # GiB per host on CPU; None: the default budget
     cpu_kernel_build: str = "background"
+    cpu_dense_tiles: str = "auto"
     # The file the stages load where vLLM's model is a folder holding a GGUF file (None: vLLM's model itself)
     model_path: str | None = None
 
@@ -51,4 +52,5 @@ class VllmStageOptions:
             scheduler=scheduler,
             compilation_cache_dir=self.compilation_cache_dir,
             cpu_kernel_build=self.cpu_kernel_build,
+            cpu_dense_tiles=self.cpu_dense_tiles,
         )

@@ -82,6 +82,9 @@ class WorkerConfig:
     # how a CPU kernel numba has not built yet is waited for (runner.cpu.select.KERNEL_BUILDS; the engines
     # and the vLLM platform pass "background")
     cpu_kernel_build: str = "wait"
+    # the dense kernel's tiles on CPU (runner.cpu.select.DENSE_TILES: "auto" measures; "amx" splits each weight at
+    # every call rather than keeping its AMX tiles, 1.5x its bytes more; "vector" never uses AMX)
+    cpu_dense_tiles: str = "auto"
     # Benchmarks of the schedule: each step of this stage takes at least this long, the part its real work leaves
     # spent asleep (no core used), as a step on a device of its own is waited for. 0: off (serving).
     simulated_step_s: float = 0.0
@@ -170,6 +173,7 @@ class StageWorker:
         self.runner = StageRunner(
             self.config.model.path, self.mesh, self.stage, cache, self.model_config, self.config.model.seed,
             self.config.model.impl, scheduler=self.limits, kernel_build=self.config.cpu_kernel_build,
+            dense_tiles=self.config.cpu_dense_tiles,
         )
         # the kernel choice (measured on a host's first start, remembered after) apart from the weights
         self.setup_times["kernels"] = self.runner.selection_span

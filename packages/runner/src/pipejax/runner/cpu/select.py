@@ -57,10 +57,20 @@ KERNEL_NAMES = ("dense_matmuls", "decode_attention", "prefill_attention")
 QUANTIZED_KERNEL = "quantized_dense"
 KERNEL_BUILDS = ("background", "wait", "cached")
 KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args), passed down as KernelOptions.build
+DENSE_TILES_ENV = "PIPEJAX_CPU_DENSE_TILES"  # read at the edges, passed down as KernelOptions.dense_tiles
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
 PROBES_VERSION = 3  # part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles)
+
+
+def cpu_dense_tiles_from_env(environ) -> str:
+    """``$PIPEJAX_CPU_DENSE_TILES`` in ``environ`` (unset or empty: "auto"), checked: for the edges that read the
+    environment (the engine's arguments, the vLLM platform)."""
+    value = environ.get(DENSE_TILES_ENV) or "auto"
+    if value not in DENSE_TILES:
+        raise ValueError(f"{DENSE_TILES_ENV}={value!r}; use one of {', '.join(DENSE_TILES)}")
+    return value
 
 
 def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
