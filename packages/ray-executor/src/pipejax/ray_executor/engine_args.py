@@ -184,8 +184,8 @@ def engine_config(
     built there yet; ``pipejax.runner.cpu.select``). ``gpu_memory_utilization`` None: the CPU budget on CPU, the
     ``CacheConfig`` default on accelerators. ``quantization``: keep the weights quantized
     (``pipejax.runner.quantized``: "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored, "int8"/"int4"
-    quantize float weights as they load; None: float weights). ``recovery`` ("on"/"off" or a bool): replace a lost stage and prefill its requests
-    again (Ray backends), giving up after ``recovery_timeout`` seconds."""
+    quantize float weights as they load; None: float weights). ``recovery`` ("on"/"off" or a bool): replace a lost
+    stage and prefill its requests again (Ray backends), giving up after ``recovery_timeout`` seconds."""
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import EngineConfig, RayConfig
     from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig
