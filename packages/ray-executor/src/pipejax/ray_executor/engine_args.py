@@ -189,6 +189,7 @@ def engine_config(
     from pipejax.pp_utils import ParallelConfig
     from pipejax.ray_executor.config import EngineConfig, RayConfig
     from pipejax.runner.config import CacheConfig, ModelSource, SchedulerConfig
+    from pipejax.runner.cpu.select import DENSE_TILES, KERNEL_BUILDS
     from pipejax.worker.worker import compilation_cache_dir as cache_dir_setting
     from pipejax.worker.worker import compilation_cache_dir_from_env
 
@@ -241,8 +242,8 @@ def engine_config(
             recovery=None if recovery is None else recovery in ("on", True),
             recovery_timeout_s=None if recovery_timeout is None else float(recovery_timeout),
             platform_plugin=env.get("platform_plugin"),
-            cpu_kernel_build=_kernel_build(env.get("cpu_kernel_build")),
-            cpu_dense_tiles=_dense_tiles(env.get("cpu_dense_tiles")),
+            cpu_kernel_build=_checked("cpu_kernel_build", env.get("cpu_kernel_build"), KERNEL_BUILDS),
+            cpu_dense_tiles=_checked("cpu_dense_tiles", env.get("cpu_dense_tiles"), DENSE_TILES),
         ),
     )
 
@@ -252,21 +253,12 @@ def _given(**settings: Any) -> dict[str, Any]:
     return {name: value for name, value in settings.items() if value is not None}
 
 
-def _kernel_build(value: str | None) -> str | None:
-    from pipejax.runner.cpu.select import KERNEL_BUILDS
-
-    if value is not None and value not in KERNEL_BUILDS:
-        raise ValueError(f"cpu_kernel_build={value!r} (--cpu-kernel-build / PIPEJAX_CPU_KERNEL_BUILD); use one of "
-                         f"{', '.join(KERNEL_BUILDS)}")
-    return value
-
-
-def _dense_tiles(value: str | None) -> str | None:
-    from pipejax.runner.cpu.select import DENSE_TILES
-
-    if value is not None and value not in DENSE_TILES:
-        raise ValueError(f"cpu_dense_tiles={value!r} (--cpu-dense-tiles / PIPEJAX_CPU_DENSE_TILES); use one of "
-                         f"{', '.join(DENSE_TILES)}")
+def _checked(keyword: str, value: str | None, choices: tuple[str, ...]) -> str | None:
+    """``value`` of the engine setting ``keyword`` (None: not given), one of ``choices``; else an error naming it,
+    its flag and its variable."""
+    if value is not None and value not in choices:
+        flag = "--" + keyword.replace("_", "-")
+        raise ValueError(f"{keyword}={value!r} ({flag} / {env_keywords()[keyword]}); use one of {', '.join(choices)}")
     return value
 
 

@@ -64,22 +64,23 @@ PREFILL_TOLERANCE = 1.05
 PROBES_VERSION = 3  # part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles)
 
 
-def cpu_dense_tiles_from_env(environ) -> str:
-    """``$PIPEJAX_CPU_DENSE_TILES`` in ``environ`` (unset or empty: "auto"), checked: for the edges that read the
-    environment (the engine's arguments, the vLLM platform)."""
-    value = environ.get(DENSE_TILES_ENV) or "auto"
-    if value not in DENSE_TILES:
-        raise ValueError(f"{DENSE_TILES_ENV}={value!r}; use one of {', '.join(DENSE_TILES)}")
+def _choice_from_env(environ, name: str, default: str, choices: tuple[str, ...]) -> str:
+    """``$name`` in ``environ`` (unset or empty: ``default``), checked against ``choices``: for the edges that read
+    the environment (the engine's arguments, the vLLM platform)."""
+    value = environ.get(name) or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; use one of {', '.join(choices)}")
     return value
+
+
+def cpu_dense_tiles_from_env(environ) -> str:
+    """``$PIPEJAX_CPU_DENSE_TILES`` (unset: "auto"), checked."""
+    return _choice_from_env(environ, DENSE_TILES_ENV, "auto", DENSE_TILES)
 
 
 def cpu_kernel_build_from_env(environ, default: str = "background") -> str:
-    """``$PIPEJAX_CPU_KERNEL_BUILD`` in ``environ`` (unset or empty: ``default``), checked: for the edges that
-    read the environment (the engine's arguments, the vLLM platform)."""
-    value = environ.get(KERNEL_BUILD_ENV) or default
-    if value not in KERNEL_BUILDS:
-        raise ValueError(f"{KERNEL_BUILD_ENV}={value!r}; use one of {', '.join(KERNEL_BUILDS)}")
-    return value
+    """``$PIPEJAX_CPU_KERNEL_BUILD`` (unset: ``default``), checked."""
+    return _choice_from_env(environ, KERNEL_BUILD_ENV, default, KERNEL_BUILDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,10 +261,11 @@ def _dense_amx_rows(dense_kernel: bool, options: KernelOptions, cfg: ModelConfig
 def amx_choice(figures: dict, decode_rows: int, prefill_rows: int) -> tuple[int | None, int | None]:
     """The dense probe's verdict on AMX's tiles: (from how many rows the weight is split into them at each call,
     from how many its kept tiles run; None: never). Kept tiles where they beat the FMA tiles at the decode rows:
-    from there, up to the prefill rows if splitting measured faster there (an Intel Xeon: kept from 32 rows, faster
-    than splitting up to ~1024, 5 % slower at 2048). Else splitting from the decode rows where it was faster there;
-    else from the rows above them where it was faster at the prefill rows (at the rows between, an Intel Xeon
-    measured it even at twice the decode rows and faster from four times); else neither."""
+    from there, up to the prefill rows if splitting measured faster there (an Intel Xeon: kept faster than the FMA
+    tiles and than splitting at 32-256 rows, 5 % slower than splitting at 2048). Else splitting from the
+    decode rows where it was faster there; else from the rows above them where it was faster at the prefill rows (at
+    the rows between, an Intel Xeon measured it even at twice the decode rows and faster from four times); else
+    neither."""
     prefill, decode = figures.get("prefill", {}), figures.get("decode", {})
     if "amx_kept" in decode and decode["amx_kept"] < decode["kernel"]:
         split_wins = prefill.get("amx", float("inf")) < min(prefill.get("amx_kept", float("inf")), prefill["kernel"])
