@@ -198,9 +198,10 @@ def test_the_runner_takes_the_kernel_on_one_cpu_device_only(tmp_path):
 AVX2_CHECK = """
 import jax, numpy as np
 from pipejax.runner.cpu import dense as cpu_dense, dense_kernel
-assert (dense_kernel.LANES, dense_kernel.ROW_TILES) == (8, (3, 2, 1)), (dense_kernel.LANES, dense_kernel.ROW_TILES)
+tile = (dense_kernel.LANES, dense_kernel.GROUPS, dense_kernel.ROW_TILES)
+assert tile == (8, 2, (6, 4, 2, 1)), tile
 rng = np.random.default_rng(0)
-for rows in (1, 2, 3, 5, 13, 64):
+for rows in (1, 2, 3, 5, 7, 11, 13, 64):
     x = rng.standard_normal((rows, 40), np.float32)
     w = rng.standard_normal((40, 4 * 32), np.float32)
     panels = jax.numpy.asarray(np.ascontiguousarray(w.reshape(40, 4, 32).transpose(1, 0, 2)))[None]
@@ -219,7 +220,8 @@ print("ok")
 
 def test_the_avx2_tile_matches_numpy(tmp_path):
     """Compiled for an AVX2 target (numba's ``NUMBA_CPU_NAME=haswell``, which this host runs whatever its own ISA),
-    the kernel takes the AVX2 tile (3 rows x 4 registers of 8 lanes) and still matches numpy in every mode."""
+    the kernel takes the AVX2 tile (6 rows x 2 registers of 8 lanes, each panel in two column groups) and still
+    matches numpy in every mode, at row counts that take each tile height."""
     import os
     import subprocess
     import sys

@@ -5,9 +5,10 @@ Imported only when a CPU stage first traces a step over weights in panels, like 
 32 output columns contiguous for every input row). The weight streams from memory in order, one panel at a
 time, the next one prefetched into L2 while this one is multiplied; each panel is read from L1/L2 by every tile
 of rows, whose outputs stay in registers over the whole contraction (the microkernel below is LLVM IR: numba's
-own loops would keep them in memory). The tile is sized by the target's vector registers
-(``isa.vector_lanes``): 12 rows x 2 zmm with AVX-512 (24 of its 32 registers), 3 rows x 4 ymm with AVX2 (12 of
-its 16; a taller tile spills). XLA:CPU's dot reads a row-major [Kc, N] weight in short strided runs instead.
+own loops would keep them in memory). The tile is two vector registers wide, sized by the target's
+(``isa.vector_lanes``): 12 rows x 2 zmm with AVX-512 (24 of its 32 registers, a whole panel's width), 6 rows x 2
+ymm with AVX2 (12 of its 16; each panel in two column groups of 16). XLA:CPU's dot reads a row-major [Kc, N]
+weight in short strided runs instead.
 Whether the kernel wins on a given CPU is measured at start-up (``select``).
 """
 
@@ -26,17 +27,22 @@ from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
 
 LANES = isa.vector_lanes()  # float32 lanes of the target's vector registers
-VECTORS = PANEL // LANES  # registers per row of a tile
+VECTORS = 2  # registers per row of a tile
+GROUPS = PANEL // (VECTORS * LANES)  # column groups a panel is multiplied in: 1 with AVX-512, 2 with AVX2
 # rows per microkernel call, tallest first: the smaller ones (each taken at most once) cover any remainder. With
 # AVX-512, 12 rows x 2 zmm keep 24 of the 32 registers accumulating: 291-297 against 266-272 GFLOP/s for 8 rows
 # (64 x 768 x 4096 on one weight again and again, benchmarks/probes/dense_kernel_stream.py; measured only on an
-# Intel Xeon, 2026-12-06: whether the kernel beats XLA's dot on a given CPU is still measured by ``select``)
-ROW_TILES = (12, 8, 4, 2, 1) if VECTORS <= 2 else (3, 2, 1)
+# Intel Xeon, 2026-12-06). With AVX2, 6 rows x 2 ymm (one 64-byte line of a panel row a step, 12 FMAs): 99-111
+# against 72 GFLOP/s for the whole panel's width in 3 rows x 4 ymm, 101-104 for 4 rows, 85 for 8 x 1 ymm (the same
+# shape, a throwaway probe; AMD EPYC with AVX2 only, 2026-12-07). Whether the kernel beats XLA's dot on a given CPU
+# is still measured by ``select``.
+ROW_TILES = (12, 8, 4, 2, 1) if GROUPS == 1 else (6, 4, 2, 1)
 
 
 def _microkernel(rows: int, add: bool):
-    """An intrinsic ``(x, ldx, w, out, ldo, kc, ahead, ahead_rows)`` (addresses, strides in floats): ``out[r, :32]
-    = sum_k x[r, k] * w[k, :32]`` for ``rows`` rows; ``w`` is one panel [kc, 32]. ``add``: ``out[r, :32] +=``
+    """An intrinsic ``(x, ldx, w, out, ldo, kc, ahead, ahead_rows)`` (addresses, strides in floats): ``out[r, :n]
+    = sum_k x[r, k] * w[k, :n]`` for ``rows`` rows, n = ``VECTORS * LANES`` columns; ``w`` points into one panel
+    [kc, 32] (rows 32 floats apart) at its column group's first column. ``add``: ``out[r, :n] +=``
     instead, the sum added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot).
     Its first ``ahead_rows`` steps also prefetch one panel row (128 bytes) each from ``ahead`` on into L2: the next
     panel's share of this tile (``_part``), so that the weight's stream from memory runs under the arithmetic."""
@@ -125,13 +131,9 @@ def _row_tiles(add: bool):
     r_a, r_b, r_c, r_d = rest
 
     @numba.njit(inline="always")
-    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead):
-        calls, rest = m // top, m % top  # the tiles this panel takes: each prefetches its share of ``ahead``
-        for r in (r_a, r_b, r_c, r_d):
-            if r and rest >= r:
-                calls, rest = calls + 1, rest - r
-        share = -(-kc // max(calls, 1)) if ahead else 0
-        i = t = 0
+    def group(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead, share, t):
+        """One column group's tiles; tile ``t`` on is each call's number in the panel (for its prefetch share)."""
+        i = 0
         while i + top <= m:
             k_top(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
             i, t = i + top, t + 1
@@ -146,13 +148,28 @@ def _row_tiles(add: bool):
             i, t = i + r_c, t + 1
         if r_d and i + r_d <= m:
             k_d(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            t += 1
+        return t
+
+    @numba.njit(inline="always")
+    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead):
+        calls, rest = m // top, m % top  # the tiles this panel takes: each prefetches its share of ``ahead``
+        for r in (r_a, r_b, r_c, r_d):
+            if r and rest >= r:
+                calls, rest = calls + 1, rest - r
+        share = -(-kc // max(calls * GROUPS, 1)) if ahead else 0
+        t = 0
+        for g in range(GROUPS):
+            columns = g * VECTORS * LANES * 4
+            t = group(x_addr, ldx, w_addr + columns, out_addr + columns, ldo, m, kc, ahead, share, t)
 
     return tiles
 
 
 # ``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w`` [kc, 32]:
-# tiles of ``ROW_TILES`` rows. ``rows_plus_panel``: ``out[r, :32] += x[r, :kc] @ w``. The last argument, ``ahead``,
-# is the address of the panel to come (prefetched into L2 while this one is multiplied), or 0 for none.
+# tiles of ``ROW_TILES`` rows, in each of the panel's ``GROUPS`` column groups in turn. ``rows_plus_panel``:
+# ``out[r, :32] += x[r, :kc] @ w``. The last argument, ``ahead``, is the address of the panel to come (prefetched
+# into L2 while this one is multiplied), or 0 for none.
 rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
 
 
