@@ -195,6 +195,20 @@ def test_the_runner_takes_the_kernel_on_one_cpu_device_only(tmp_path):
         StageRunner(tmp_path, one, cache=cache, dense_matmuls="mkl")
 
 
+def test_calls_from_xla_rows_on_are_xlas_dot_over_the_panels():
+    """``xla_rows``: a call of that many rows or more is XLA's dot over the panels (no kernel call in its program),
+    a smaller one the kernel; both give numpy's product."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 4 * 32), np.float32)
+    panels = jax.numpy.asarray(np.ascontiguousarray(w.reshape(40, 4, 32).transpose(1, 0, 2)))[None]
+    for rows, kernel in ((3, True), (4, False), (9, False)):
+        x = rng.standard_normal((rows, 40), np.float32)
+        program = str(jax.make_jaxpr(lambda x: cpu_dense.matmul(x, panels, xla_rows=4))(x))
+        assert ("ffi_call" in program) == kernel, program
+        np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels, xla_rows=4)),
+                                   x.astype(np.float64) @ w.astype(np.float64), rtol=1e-4, atol=1e-4)
+
+
 AVX2_CHECK = """
 import jax, numpy as np
 from pipejax.runner.cpu import dense as cpu_dense, dense_kernel

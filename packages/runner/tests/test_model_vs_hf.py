@@ -92,16 +92,34 @@ def _amx_here() -> bool:
     pytest.param(1, 1, 4, "cpu-kernel", True, "amx",
                  marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU")),
     pytest.param(2, 1, 4, "cpu-kernel", False, "amx-kept",
-                 marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU"))],
-    ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied", "pp1tp1-chunk4-tied-amx", "pp2tp1-chunk4-amx-kept"])
-def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, pp, tp, chunk, dense, tied, tiles):
+                 marks=pytest.mark.skipif(not _amx_here(), reason="no AMX bf16 tiles on this CPU")),
+    (2, 1, 4, "auto", True, "xla-rows")],
+    ids=["pp1tp1-kernel", "pp2tp1-chunk4-tied", "pp1tp1-xla-tied", "pp1tp1-chunk4-tied-amx", "pp2tp1-chunk4-amx-kept",
+         "pp2tp1-chunk4-tied-xla-rows"])
+def test_greedy_decode_with_weights_in_panels_matches_generate(tmp_path, monkeypatch, pp, tp, chunk, dense, tied,
+                                                               tiles):
     """Greedy decode over weights in panels matches transformers': on the dense kernel (its tiles as measured, or
     every dense matmul on AMX's bf16 tiles at fp32 accuracy where the CPU has them: "amx" splitting the weight at
-    each call, "amx-kept" over its tiles kept from load, the decode steps' per-layer views included), or XLA's dot."""
+    each call, "amx-kept" over its tiles kept from load, the decode steps' per-layer views included), or XLA's dot;
+    "xla-rows": a verdict that the kernel runs the decode rows (4) and XLA's dot over the panels the prefill steps
+    (from 5 rows)."""
+    if tiles == "xla-rows":
+        from pipejax.runner.cpu import select as sel
+
+        won = {"decode": {"kernel": 1.0, "xla": 2.0}, "prefill": {"kernel": 1.0, "xla": 2.0}}
+        monkeypatch.setattr(sel, "measure", lambda shapes, names: {
+            n: {"choice": "cpu-kernel" if n == "dense_matmuls" else "xla", **won} for n in names})
+        monkeypatch.setattr(sel, "xla_rows_choice", lambda figures, decode_rows: 5)
+        for name, fake in (("_in_process", {}), ("_remembered", lambda path: {}), ("_remember", lambda *a: None)):
+            monkeypatch.setattr(sel, name, fake)  # this verdict is neither read nor written anywhere else
     model = make_hf_checkpoint(tmp_path, "LlamaForCausalLM", **PANEL_FRIENDLY, tie_word_embeddings=tied)
     expected = hf_greedy(model, PROMPTS, 32)
-    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense, dense_tiles=tiles)
+    stages = ChainedStages(tmp_path, pp, tp, num_blocks=80, dense_matmuls=dense,
+                           dense_tiles="auto" if tiles == "xla-rows" else tiles)
+    dense = "cpu-kernel" if tiles == "xla-rows" else dense
     assert [s.dense_matmuls for s in stages.stages] == [dense] * pp
+    if tiles == "xla-rows":
+        assert [s.selection.dense_xla_rows for s in stages.stages] == [5] * pp
     if tiles == "amx":
         assert [s.selection.dense_amx_rows for s in stages.stages] == [1] * pp
     if tiles == "amx-kept":  # every dense weight keeps its tiles, and the decode layers' views alias them

@@ -41,12 +41,16 @@ def prepare() -> bool:
     return _handler() is not None
 
 
-def for_mesh(mesh: Mesh, amx_rows: int | None = None, kept_rows: int | None = None) -> Callable | None:
+def for_mesh(mesh: Mesh, amx_rows: int | None = None, kept_rows: int | None = None,
+             xla_rows: int | None = None) -> Callable | None:
     """The kernel for a stage on ``mesh``: on one device; None (XLA's dot) over several (which ``use_panels``
     leaves in their own layout). ``amx_rows``: calls of that many rows or more run on AMX's tiles, splitting the
-    weight; ``kept_rows``: calls from that many rows (below ``amx_rows``) on the weight's kept tiles (``matmul``)."""
+    weight; ``kept_rows``: calls from that many rows (below ``amx_rows``) on the weight's kept tiles; ``xla_rows``:
+    calls of that many rows or more run XLA's dot over the panels (``matmul``)."""
     if mesh.devices.size != 1:
         return None
+    if xla_rows is not None:
+        return functools.partial(matmul, xla_rows=xla_rows)
     if amx_rows is None and kept_rows is None:
         return matmul
     if not amx_ready():
@@ -82,7 +86,7 @@ AMX_MAX_TILE_BYTES = 64 << 20
 
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
            residual: jax.Array | None = None, amx_rows: int | None = None, kept_rows: int | None = None,
-           tiles: jax.Array | None = None) -> jax.Array:
+           tiles: jax.Array | None = None, xla_rows: int | None = None) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
@@ -92,11 +96,13 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     ``amx_rows``: with at least that many rows (and a contraction of whole blocks of 32, a weight within
     ``AMX_MAX_TILE_BYTES`` as tiles), the call runs on AMX's tiles (``for_mesh`` checks that it can), splitting the
     weight into them. ``tiles``: the weight's tiles kept (``weight_tiles``, [L, ...] as ``panels``), which a call
-    of ``kept_rows`` rows or more (and fewer than ``amx_rows``) reads instead."""
+    of ``kept_rows`` rows or more (and fewer than ``amx_rows``) reads instead. ``xla_rows``: a call of that many
+    rows or more is XLA's dot over the panels (where it measured faster than the kernel at a prefill's rows)."""
     n = panels.shape[1] * panels.shape[3]
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
-    if _handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+    if (_handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32
+            or (xla_rows is not None and x.shape[0] >= xla_rows)):
         y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
         y = swiglu(y[:, : n // 2], y[:, n // 2:]) if gated else y
         return y if residual is None else residual + y

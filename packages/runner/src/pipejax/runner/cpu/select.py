@@ -5,7 +5,9 @@ attention) replaces part of ``model.py``'s XLA formulation. Whether it is faster
 AVX-512 EPYC the kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64
 rows. So "auto" measures, on the host at hand, each kernel against XLA's formulation of the same operation at
 the stage's own shapes (``probe``) and runs a kernel only where it was faster; "xla" or "cpu-kernel" force a
-choice. Where the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, splitting the weight at
+choice. A dense kernel faster at the decode rows but not at a prefill's runs the decode rows only, XLA's dot over
+its panels the larger calls (``xla_rows_choice``: an AVX2 EPYC, where XLA's dot is slow at 64 rows only). Where
+the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, splitting the weight at
 each call and reading its tiles split once and kept (1.5x the weights' bytes more), which then run from the rows
 they won at (``amx_choice``; ``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per
 host signature (CPU model and ISA flags, cores, versions, the XLA and numba target settings) and shapes: in the
@@ -61,7 +63,9 @@ DENSE_TILES_ENV = "PIPEJAX_CPU_DENSE_TILES"  # read at the edges, passed down as
 # A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
-PROBES_VERSION = 3  # part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles)
+# part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles; 4: XLA's dot over
+# the panels)
+PROBES_VERSION = 4
 
 
 def _choice_from_env(environ, name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -132,6 +136,7 @@ class Selection:
     quantized_kernel: bool = True  # weights kept quantized in panels run the quantized kernel (False: not built yet)
     dense_amx_rows: int | None = None  # the dense kernel's calls of this many rows or more run on AMX's tiles
     dense_kept_rows: int | None = None  # from this many rows (below dense_amx_rows) on the weights' kept tiles
+    dense_xla_rows: int | None = None  # the dense calls of this many rows or more run XLA's dot over the panels
 
     @property
     def keeps_tiles(self) -> bool:
@@ -147,7 +152,7 @@ class Selection:
         """The substitutes ``model.stage_forward`` takes for this selection on ``mesh``."""
         from pipejax.runner.cpu import decode_attention, dense, prefill_attention, quantized_dense
 
-        dense_kernel = (dense.for_mesh(mesh, self.dense_amx_rows, self.dense_kept_rows)
+        dense_kernel = (dense.for_mesh(mesh, self.dense_amx_rows, self.dense_kept_rows, self.dense_xla_rows)
                         if self.dense_matmuls == "cpu-kernel" else None)
         return Kernels(
             dense=dense_kernel,
@@ -218,6 +223,8 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
                      measured[name]["choice"] if name in measured else "xla") for name in fits}
     amx_rows, kept_rows = _dense_amx_rows(chosen["dense_matmuls"] == "cpu-kernel", options, cfg, len(devices),
                                           limits, measured, remember_in)
+    xla_rows = (xla_rows_choice(measured["dense_matmuls"], limits.max_num_seqs)
+                if "dense_matmuls" in measured and (amx_rows, kept_rows) == (None, None) else None)
     on_cpu = all(d.platform == "cpu" for d in devices)
     if options.decode_layers == "unrolled" and not (native and on_cpu):
         raise ValueError(f"decode_layers='unrolled' needs the native model implementation on CPU devices (here: "
@@ -234,6 +241,7 @@ def select(mesh, cfg: ModelConfig, options: KernelOptions, limits: SchedulerConf
         quantized_kernel=not quantized_unbuilt,
         dense_amx_rows=amx_rows,
         dense_kept_rows=kept_rows,
+        dense_xla_rows=xla_rows,
     )
 
 
@@ -390,7 +398,7 @@ _in_process: dict[str, dict[str, dict]] = {}
 
 
 def _figures(v: dict) -> str:
-    amx = {"amx": "on AMX's tiles", "amx_kept": "kept"}
+    amx = {"xla_panels": "xla over the panels", "amx": "on AMX's tiles", "amx_kept": "kept"}
     return ", ".join(f"{k} {v[k]['kernel']:.2f} vs xla {v[k]['xla']:.2f}"
                      + "".join(f"; {what} {v[k][name]:.2f}" for name, what in amx.items() if name in v[k])
                      + " ms" for k in v if k != "choice")
@@ -440,10 +448,22 @@ def build_all(names: tuple[str, ...]) -> None:
 
 def verdict(figures: dict[str, dict[str, float]]) -> str:
     """"cpu-kernel" where the kernel was faster at the decode rows and, at the prefill rows, within
-    ``PREFILL_TOLERANCE`` of XLA's formulation (the prefill share of a step is compute either way); else "xla"."""
+    ``PREFILL_TOLERANCE`` of XLA's formulation (the prefill share of a step is compute either way), or XLA's dot
+    over its panels was (``xla_rows_choice``: the dense kernel, then, runs the decode rows only); else "xla"."""
     limit = {"decode": 1.0, "prefill": PREFILL_TOLERANCE}
-    faster = all(f["kernel"] < limit[phase] * f["xla"] for phase, f in figures.items())
+    faster = all(min(f["kernel"], f.get("xla_panels", f["kernel"]) if phase == "prefill" else f["kernel"])
+                 < limit[phase] * f["xla"] for phase, f in figures.items())
     return "cpu-kernel" if faster else "xla"
+
+
+def xla_rows_choice(figures: dict, decode_rows: int) -> int | None:
+    """From how many rows a stage in panels runs XLA's dot over them rather than the dense kernel (None: never):
+    above the decode rows where the kernel won there (``verdict``) and XLA's dot over the panels beat it at the
+    prefill rows by more than ``PREFILL_TOLERANCE``."""
+    prefill = figures.get("prefill", {})
+    if figures.get("choice") != "cpu-kernel" or "xla_panels" not in prefill:
+        return None
+    return decode_rows + 1 if prefill["kernel"] > PREFILL_TOLERANCE * prefill["xla_panels"] else None
 
 
 def _remembered(path: str) -> dict[str, dict]:
