@@ -22,7 +22,7 @@ from numba.extending import intrinsic
 
 from pipejax.runner.cpu import amx_kernel, isa, prefetch
 from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED, SPLIT, TILED
-from pipejax.runner.cpu.ffi import address, arguments, buffer, handler_compiler, ptr, scalar_i32, serve
+from pipejax.runner.cpu.ffi import address, arguments, buffer, float32s, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
 
@@ -37,12 +37,19 @@ GROUPS = PANEL // (VECTORS * LANES)  # column groups a panel is multiplied in: 1
 # shape, a throwaway probe; AMD EPYC with AVX2 only, 2026-12-07). Whether the kernel beats XLA's dot on a given CPU
 # is still measured by ``select``.
 ROW_TILES = (12, 8, 4, 2, 1) if GROUPS == 1 else (6, 4, 2, 1)
+# With AVX2 the dense calls first copy x's rows, a tallest tile's at a time, into one stream [kc, 6] (``_pack``):
+# each step's 6 broadcasts then read one line a little under every third step, not 6 rows' lines. 512 and 2048 rows
+# x 768 x 4096, the least of 20 alternated rounds, the copy included: 134 against 116 and 114 GFLOP/s unpacked, XLA's
+# dot 115 and 114 (64 rows: 124, 121, 106; a throwaway probe, AMD EPYC with AVX2 only, 2026-12-07). Not measured
+# with AVX-512: there x's rows are read as they are.
+PACKED = GROUPS == 2
 
 
-def _microkernel(rows: int, add: bool):
+def _microkernel(rows: int, add: bool, packed: bool = False):
     """An intrinsic ``(x, ldx, w, out, ldo, kc, ahead, ahead_rows)`` (addresses, strides in floats): ``out[r, :n]
     = sum_k x[r, k] * w[k, :n]`` for ``rows`` rows, n = ``VECTORS * LANES`` columns; ``w`` points into one panel
-    [kc, 32] (rows 32 floats apart) at its column group's first column. ``add``: ``out[r, :n] +=``
+    [kc, 32] (rows 32 floats apart) at its column group's first column. ``packed``: x is the rows packed [kc, rows]
+    (``_pack``; ``ldx`` unused). ``add``: ``out[r, :n] +=``
     instead, the sum added to what ``out`` holds once it is complete (the same rounding as XLA's add after the dot).
     Its first ``ahead_rows`` steps also prefetch one panel row (128 bytes) each from ``ahead`` on into L2: the next
     panel's share of this tile (``_part``), so that the weight's stream from memory runs under the arithmetic."""
@@ -75,7 +82,9 @@ def _microkernel(rows: int, add: bool):
                                                    vec.as_pointer()), align=4) for h in range(VECTORS)]
             new = []
             for r in range(rows):
-                xr = builder.load(builder.gep(x0, [builder.add(builder.mul(ir.Constant(i64, r), ldx), k)]))
+                at = (builder.add(builder.mul(k, ir.Constant(i64, rows)), ir.Constant(i64, r)) if packed
+                      else builder.add(builder.mul(ir.Constant(i64, r), ldx), k))
+                xr = builder.load(builder.gep(x0, [at]))
                 xv = builder.shuffle_vector(builder.insert_element(undef, xr, ir.Constant(i32, 0)), undef, splat)
                 new += [builder.call(fma, [xv, halves[h], acc[VECTORS * r + h]]) for h in range(VECTORS)]
             builder.cbranch(builder.icmp_signed("<", k, ahead_rows), fetch, latch)
@@ -120,22 +129,24 @@ def _part(ahead, share, t, kc):
     return ahead + t * share * PANEL * 4, max(min(share, kc - t * share), 0)
 
 
-def _row_tiles(add: bool):
+def _row_tiles(add: bool, packed: bool = False):
     """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height in
-    ``ROW_TILES``: the tallest while it fits, then each smaller one at most once."""
+    ``ROW_TILES``: the tallest while it fits, then each smaller one at most once. ``packed``: the tallest tiles read
+    x's rows packed (``_pack``) from the address after ``ahead``."""
     top, *rest = ROW_TILES
     rest += [0] * (4 - len(rest))  # a height of 0 is never taken (a constant: LLVM drops its branch)
-    kernels = [_microkernel(r, add) for r in ROW_TILES]
+    kernels = [_microkernel(r, add, packed and r == top) for r in ROW_TILES]
     kernels += [kernels[-1]] * (5 - len(kernels))
     k_top, k_a, k_b, k_c, k_d = kernels
     r_a, r_b, r_c, r_d = rest
 
     @numba.njit(inline="always")
-    def group(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead, share, t):
+    def group(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead, share, t, xp_addr):
         """One column group's tiles; tile ``t`` on is each call's number in the panel (for its prefetch share)."""
         i = 0
         while i + top <= m:
-            k_top(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            x_top = xp_addr + i * kc * 4 if packed else x_addr + i * ldx * 4
+            k_top(x_top, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
             i, t = i + top, t + 1
         if r_a and i + r_a <= m:
             k_a(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
@@ -152,7 +163,7 @@ def _row_tiles(add: bool):
         return t
 
     @numba.njit(inline="always")
-    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead):
+    def tiles(x_addr, ldx, w_addr, out_addr, ldo, m, kc, ahead, xp_addr=0):
         calls, rest = m // top, m % top  # the tiles this panel takes: each prefetches its share of ``ahead``
         for r in (r_a, r_b, r_c, r_d):
             if r and rest >= r:
@@ -161,7 +172,7 @@ def _row_tiles(add: bool):
         t = 0
         for g in range(GROUPS):
             columns = g * VECTORS * LANES * 4
-            t = group(x_addr, ldx, w_addr + columns, out_addr + columns, ldo, m, kc, ahead, share, t)
+            t = group(x_addr, ldx, w_addr + columns, out_addr + columns, ldo, m, kc, ahead, share, t, xp_addr)
 
     return tiles
 
@@ -171,14 +182,57 @@ def _row_tiles(add: bool):
 # ``out[r, :32] += x[r, :kc] @ w``. The last argument, ``ahead``, is the address of the panel to come (prefetched
 # into L2 while this one is multiplied), or 0 for none.
 rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
+# the same with the tallest tiles' rows packed (``_pack``), at the address after ``ahead``
+packed_times_panel, packed_plus_panel = _row_tiles(False, PACKED), _row_tiles(True, PACKED)
 
 
 @numba.njit(inline="always")
-def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add):
+def _pack_tile(x_addr, kc, xp_addr, t):
+    """Rows [t * top, (t + 1) * top) of x [m, kc] -> xp[t] [kc, top] (top: ``ROW_TILES[0]``)."""
+    top = ROW_TILES[0]
+    dest = float32s(xp_addr + t * kc * top * 4, kc * top)
+    for r in range(top):
+        row = float32s(x_addr + (t * top + r) * kc * 4, kc)
+        for k in range(kc):
+            dest[k * top + r] = row[k]
+
+
+@numba.njit(inline="always")
+def _packed_rows(m, kc):
+    """x's packed rows (``PACKED``: each whole tallest tile's [kc, top]; else none)."""
+    return np.empty((m // ROW_TILES[0]) * kc * ROW_TILES[0] if PACKED else 0, np.float32)
+
+
+@numba.njit
+def _pack(x_addr, m, kc):
+    """x [m, kc]'s whole tallest tiles packed (``_packed_rows``), on the calling thread."""
+    xp, top = _packed_rows(m, kc), ROW_TILES[0]
+    for t in range(xp.size // max(kc * top, 1)):
+        _pack_tile(x_addr, kc, xp.ctypes.data, t)
+    return xp
+
+
+@numba.njit(parallel=True)
+def _pack_parallel(x_addr, m, kc):
+    """The same with the tiles spread over numba's threads."""
+    xp, top = _packed_rows(m, kc), ROW_TILES[0]
+    tiles, xp_addr = xp.size // max(kc * top, 1), xp.ctypes.data
+    for t in numba.prange(tiles):
+        _pack_tile(x_addr, kc, xp_addr, t)
+    return xp
+
+
+@numba.njit(inline="always")
+def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp):
+    """One panel's product; ``xp``: x's rows packed (``_pack``), or empty."""
     n, panel = panels * PANEL, kc * PANEL * 4
     w_p, out_p = w_addr + p * panel, out_addr + p * PANEL * 4
     ahead = w_p + panel if p + 1 < panels else 0
-    if add:
+    if xp.size and add:
+        packed_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp.ctypes.data)
+    elif xp.size:
+        packed_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp.ctypes.data)
+    elif add:
         rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
     else:
         rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
@@ -187,33 +241,42 @@ def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add):
 @numba.njit(cache=True)
 def _matmul(x_addr, w_addr, out_addr, m, kc, panels, add):
     """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32] (``add``: +=), on the calling thread."""
+    xp = _pack(x_addr, m, kc)
     for p in range(panels):
-        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add)
+        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp)
 
 
 @numba.njit(cache=True, parallel=True)
 def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, add):
     """The same with the panels spread over numba's threads (TBB)."""
+    xp = _pack_parallel(x_addr, m, kc)
     for p in numba.prange(panels):
-        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add)
+        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp)
 
 
-GLU_ROWS = 128  # rows per block of the gated matmul: a block's gate and up tiles (16 KB each) stay in L1/L2
+# rows per block of the gated matmul: a block's gate and up tiles (15-16 KB each) stay in L1/L2 (whole tallest tiles
+# where x's rows are packed)
+GLU_ROWS = 120 if PACKED else 128
 
 
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
-def _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up):
+def _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up, xp):
     """out[:, p * 32:][:32] = silu(x @ panel p) * (x @ panel p + panels / 2) (gate, then up) in blocks of GLU_ROWS
-    rows; out [m, panels / 2 * 32]; ``gate``/``up`` [GLU_ROWS, 32] scratch."""
+    rows; out [m, panels / 2 * 32]; ``gate``/``up`` [GLU_ROWS, 32] scratch; ``xp``: x's rows packed, or empty."""
     panel, half = kc * PANEL * 4, panels // 2
     out = numba.carray(ptr(out_addr), (m, half * PANEL), np.float32)
     for b0 in range(0, m, GLU_ROWS):
         rows = min(GLU_ROWS, m - b0)
         ahead = b0 + GLU_ROWS >= m and p + 1 < half  # the next pair's panels, over this pair's last block
-        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + p * panel, gate.ctypes.data, PANEL, rows, kc,
-                         w_addr + (p + 1) * panel if ahead else 0)
-        rows_times_panel(x_addr + b0 * kc * 4, kc, w_addr + (p + half) * panel, up.ctypes.data, PANEL, rows, kc,
-                         w_addr + (p + 1 + half) * panel if ahead else 0)
+        x_b, w_gate, w_up = x_addr + b0 * kc * 4, w_addr + p * panel, w_addr + (p + half) * panel
+        ahead_gate, ahead_up = (w_gate + panel, w_up + panel) if ahead else (0, 0)
+        if xp.size:
+            packed_times_panel(x_b, kc, w_gate, gate.ctypes.data, PANEL, rows, kc, ahead_gate,
+                               xp.ctypes.data + b0 * kc * 4)
+            packed_times_panel(x_b, kc, w_up, up.ctypes.data, PANEL, rows, kc, ahead_up, xp.ctypes.data + b0 * kc * 4)
+        else:
+            rows_times_panel(x_b, kc, w_gate, gate.ctypes.data, PANEL, rows, kc, ahead_gate)
+            rows_times_panel(x_b, kc, w_up, up.ctypes.data, PANEL, rows, kc, ahead_up)
         for i in range(rows):
             o, g, u = out[b0 + i, p * PANEL:(p + 1) * PANEL], gate[i], up[i]
             for c in range(PANEL):
@@ -230,16 +293,18 @@ def _glu(x_addr, w_addr, out_addr, m, kc, panels):
     """out [m, panels / 2 * 32] = silu(x @ gate) * (x @ up) for w [panels, kc, 32]: gate's panels, then up's; on
     the calling thread."""
     gate, up = _glu_scratch()
+    xp = _pack(x_addr, m, kc)
     for p in range(panels // 2):
-        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
+        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up, xp)
 
 
 @numba.njit(fastmath=True, error_model="numpy", cache=True, parallel=True)
 def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
     """The same with the panel pairs spread over numba's threads (TBB)."""
+    xp = _pack_parallel(x_addr, m, kc)
     for p in numba.prange(panels // 2):
         gate, up = _glu_scratch()
-        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up)
+        _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up, xp)
 
 
 # --- a Mixture-of-Experts layer's routed experts (``cpu_dense.routed_experts``) ------------------------------------
@@ -299,7 +364,7 @@ def _routed_gate_up(task, active, starts, xs, act, gu_addr, base, E, gu_panels):
     gate, up = _glu_scratch()
     w_addr = gu_addr + (base + e) * gu_panels * E * PANEL * 4
     _glu_panel(xs.ctypes.data + starts[e] * E * 4, E, w_addr, act.ctypes.data + starts[e] * half * PANEL * 4, p,
-               gu_panels, starts[e + 1] - starts[e], gate, up)
+               gu_panels, starts[e + 1] - starts[e], gate, up, np.empty(0, np.float32))
 
 
 @numba.njit(inline="always")
@@ -309,7 +374,7 @@ def _routed_down(task, active, starts, act, ys, down_addr, base, E, Fm):
     e, p = active[task // panels], task % panels
     w_addr = down_addr + (base + e) * panels * Fm * PANEL * 4
     _panel_into(act.ctypes.data + starts[e] * Fm * 4, w_addr, ys.ctypes.data + starts[e] * E * 4,
-                starts[e + 1] - starts[e], Fm, panels, p, False)
+                starts[e + 1] - starts[e], Fm, panels, p, False, np.empty(0, np.float32))
 
 
 @numba.njit(fastmath=True, error_model="numpy")

@@ -1,6 +1,8 @@
 """Timing each CPU kernel against XLA's formulation of the same operation, on a stage's own shapes, on the host
 at hand (``select`` decides from these). Each probe compiles both, then times them alternately, so that both
-see the same machine load; the figures are medians in milliseconds.
+see the same machine load; the figures are each one's least time in milliseconds (a busy neighbour only adds
+time: on a shared 2-core AMD EPYC, the dense kernel's median of five rounds at 64 rows ranged 0.65-1.24x XLA's over
+nine probes, its least of fifteen 0.63-0.72x over three; 2026-12-07).
 
 Shapes: the dense probe is an MLP's gate/up matmul (a decoder layer's largest) at the stage's most decode rows
 and at its largest prefill step; the attention probes are the stage's per-device heads over a paged cache,
@@ -10,7 +12,6 @@ decode rows at ``DECODE_CONTEXT`` tokens of context and one prefill row of the l
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
 
@@ -28,8 +29,8 @@ BLOCK = 16
 
 
 def alternated_ms(candidates: dict[str, Callable[[], jax.Array]], rounds: int = ROUNDS) -> dict[str, float]:
-    """Median milliseconds of each of ``candidates`` (thunks returning an array), after one untimed call each
-    (its compile), timed in alternation."""
+    """The least milliseconds of each of ``candidates`` (thunks returning an array) over ``rounds``, after one
+    untimed call each (its compile), timed in alternation."""
     for fn in candidates.values():
         fn().block_until_ready()
     times: dict[str, list[float]] = {name: [] for name in candidates}
@@ -38,7 +39,7 @@ def alternated_ms(candidates: dict[str, Callable[[], jax.Array]], rounds: int = 
             start = time.perf_counter()
             fn().block_until_ready()
             times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {name: 1e3 * min(t) for name, t in times.items()}
 
 
 def _random(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 0.05) -> jax.Array:

@@ -60,7 +60,7 @@ QUANTIZED_KERNEL = "quantized_dense"
 KERNEL_BUILDS = ("background", "wait", "cached")
 KERNEL_BUILD_ENV = "PIPEJAX_CPU_KERNEL_BUILD"  # read at the edges (engine_args), passed down as KernelOptions.build
 DENSE_TILES_ENV = "PIPEJAX_CPU_DENSE_TILES"  # read at the edges, passed down as KernelOptions.dense_tiles
-# A kernel runs where its median is below XLA's at the decode rows, and at the prefill rows below XLA's times
+# A kernel runs where its least time is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
 # part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles; 4: XLA's dot over
@@ -362,7 +362,7 @@ def verdict_key(signature: dict[str, str], shapes: dict[str, int]) -> str:
 
 def measured_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, names: tuple[str, ...],
                      remember_in: str | None = None) -> dict[str, dict]:
-    """Per kernel of ``names``: {"choice": "cpu-kernel" | "xla", and the probes' medians in ms}, remembered
+    """Per kernel of ``names``: {"choice": "cpu-kernel" | "xla", and the probes' least times in ms}, remembered
     (in the process; with ``remember_in``, in a file there) or measured now."""
     shapes = probe_shapes(cfg, tp, limits)
     key, path = _verdicts_at(shapes, remember_in)
