@@ -106,7 +106,7 @@ def test_only_what_can_run_is_measured(monkeypatch, fresh):
         sel.select(stage_mesh(jax.devices()[:2]), CFG, sel.KernelOptions(dense_matmuls="cpu-kernel"), LIMITS)
 
 
-def test_the_verdict_key_changes_with_the_cpu_flags():
+def test_the_verdict_key_changes_with_the_cpu_flags(monkeypatch):
     shapes = sel.probe_shapes(CFG, 1, LIMITS)
     avx2 = sel.host_signature(FLAGS.format(extra=""))
     avx512 = sel.host_signature(FLAGS.format(extra="avx512f avx512bw"))
@@ -114,6 +114,9 @@ def test_the_verdict_key_changes_with_the_cpu_flags():
     assert sel.verdict_key(avx2, shapes) != sel.verdict_key(avx512, shapes)
     assert sel.verdict_key(avx2, shapes) == sel.verdict_key(sel.host_signature(FLAGS.format(extra="")), shapes)
     assert sel.verdict_key(avx2, shapes) != sel.verdict_key(avx2, {**shapes, "decode_rows": 8})
+    before = sel.verdict_key(avx2, shapes)  # and with the kernels' source: a verdict measured on other code is stale
+    monkeypatch.setattr(sel, "_kernels_source", lambda: "other source")
+    assert sel.verdict_key(avx2, shapes) != before
 
 
 def test_the_probes_measure_both_paths_here():

@@ -1,18 +1,18 @@
 """Which of the CPU backend's kernels a stage runs: ``select(mesh, model_config, options, limits)``.
 
-Each kernel (the dense matmuls over weights in panels, the decode rows' attention, the prefill rows'
-attention) replaces part of ``model.py``'s XLA formulation. Whether it is faster depends on the CPU: on an
-AVX-512 EPYC the kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64
-rows. So "auto" measures, on the host at hand, each kernel against XLA's formulation of the same operation at
-the stage's own shapes (``probe``) and runs a kernel only where it was faster; "xla" or "cpu-kernel" force a
-choice. A dense kernel faster at the decode rows but not at a prefill's runs the decode rows only, XLA's dot over
-its panels the larger calls (``xla_rows_choice``: an AVX2 EPYC, where XLA's dot is slow at 64 rows only). Where
-the CPU has AMX, the dense probe also times the kernel on AMX's bf16 tiles, splitting the weight at
-each call and reading its tiles split once and kept (1.5x the weights' bytes more), which then run from the rows
-they won at (``amx_choice``; ``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per
-host signature (CPU model and ISA flags, cores, versions, the XLA and numba target settings) and shapes: in the
-process, and in a JSON file next to JAX's compilation cache where that is on, so a restart measures nothing (and
-compiles the same step programs).
+Each kernel (the dense matmuls over weights in panels, the decode rows' attention, the prefill rows' attention)
+replaces part of ``model.py``'s XLA formulation. Whether it is faster depends on the CPU: on an AVX-512 EPYC the
+kernels won at every measured shape, on an AVX2 one the dense kernel lost to XLA's dot at 64 rows (until its tile
+was reshaped for AVX2's 16 registers and its rows packed). So "auto" measures, on the host at hand, each kernel
+against XLA's formulation of the same operation at the stage's own shapes (``probe``) and runs a kernel only where
+it was faster; "xla" or "cpu-kernel" force a choice. A dense kernel faster at the decode rows but not at a prefill's
+runs the decode rows only, XLA's dot over its panels the larger calls (``xla_rows_choice``). Where the CPU has AMX,
+the dense probe also times the kernel on AMX's bf16 tiles, splitting the weight at each call and reading its tiles
+split once and kept (1.5x the weights' bytes more), which then run from the rows they won at (``amx_choice``;
+``KernelOptions.dense_tiles`` forces a choice). A verdict is remembered per host signature (CPU model and ISA flags,
+cores, versions, the XLA and numba target settings), shapes and a digest of this package's source: in the process,
+and in a JSON file next to JAX's compilation cache where that is on, so a restart measures nothing (and compiles the
+same step programs).
 
 A kernel numba has not compiled on this host yet takes ~5-12 s of one core to build (``build``). How a stage
 waits for that is ``KernelOptions.build``: "wait" (a ``StageRunner``'s default) builds them before the first
@@ -27,6 +27,7 @@ layer's weight at every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -63,9 +64,9 @@ DENSE_TILES_ENV = "PIPEJAX_CPU_DENSE_TILES"  # read at the edges, passed down as
 # A kernel runs where its least time is below XLA's at the decode rows, and at the prefill rows below XLA's times
 # this (the two medians' own spread on an idle 2-core host: ~5%).
 PREFILL_TOLERANCE = 1.05
-# part of a remembered verdict's key: raised when the probes measure more (3: AMX's kept tiles; 4: XLA's dot over
-# the panels)
-PROBES_VERSION = 4
+# part of a remembered verdict's key (with a digest of this package's source): raised when the probes measure more
+# (3: AMX's kept tiles; 4: XLA's dot over the panels; 5: each candidate's least time, not its median)
+PROBES_VERSION = 5
 
 
 def _choice_from_env(environ, name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -356,8 +357,22 @@ def probe_shapes(cfg: ModelConfig, tp: int, limits: SchedulerConfig) -> dict[str
 
 
 def verdict_key(signature: dict[str, str], shapes: dict[str, int]) -> str:
-    text = json.dumps({"host": signature, "shapes": shapes, "probes": PROBES_VERSION}, sort_keys=True)
+    text = json.dumps({"host": signature, "shapes": shapes, "probes": PROBES_VERSION, "code": _kernels_source()},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@functools.cache
+def _kernels_source() -> str:
+    """A digest of the CPU backend's source (its kernels and probes): a verdict measured on other code is not
+    reused (an editable install or an upgrade keeps the same versions)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
 
 
 def measured_choices(cfg: ModelConfig, tp: int, limits: SchedulerConfig, names: tuple[str, ...],
