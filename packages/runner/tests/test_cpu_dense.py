@@ -37,6 +37,25 @@ def test_kernel_and_xla_over_panels_match_numpy(rows, ins, outs):
     np.testing.assert_allclose(np.asarray(step(x, jax.numpy.asarray(w), len(ins), None)), want, rtol=1e-4, atol=1e-4)
 
 
+def test_rows_past_one_block_of_x():
+    """An x larger than ``X_BLOCK`` goes through the panels a block of rows at a time: two whole blocks and one of
+    7 rows (a tallest tile and the smaller ones), plain and added to a residual, match numpy."""
+    from pipejax.runner.cpu import dense_kernel
+
+    kc = 2048
+    rows = 2 * dense_kernel._block_rows(kc) + 7
+    assert dense_kernel._block_rows(kc) * kc * 4 <= dense_kernel.X_BLOCK < rows * kc * 4
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, kc), np.float32)
+    w = rng.standard_normal((kc, 2 * PANEL), np.float32)
+    residual = rng.standard_normal((rows, 2 * PANEL), np.float32)
+    panels = jax.numpy.asarray(_in_panels(w, 1))[None]
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels)), want, rtol=1e-4, atol=1e-3)
+    added = cpu_dense.matmul(x, panels, residual=jax.numpy.asarray(residual))
+    np.testing.assert_allclose(np.asarray(added), residual + want, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("rows", [5, 64])
 def test_a_layer_of_stacked_panels(rows):
     """A layer scan hands the kernel every layer's panels and the layer's index (a traced scalar), not a slice."""
@@ -227,6 +246,10 @@ for rows in (1, 2, 3, 5, 7, 11, 13, 64):
     res = rng.standard_normal((rows, 128), np.float32)
     np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels, residual=jax.numpy.asarray(res))), res + want,
                                rtol=1e-4, atol=1e-4)
+rows = 2 * dense_kernel._block_rows(2048) + 7  # x's rows in blocks (X_BLOCK), each packed
+x, w = rng.standard_normal((rows, 2048), np.float32), rng.standard_normal((2048, 64), np.float32)
+panels = jax.numpy.asarray(np.ascontiguousarray(w.reshape(2048, 2, 32).transpose(1, 0, 2)))[None]
+np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels)), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)
 assert cpu_dense.prepare()
 print("ok")
 """

@@ -43,6 +43,11 @@ ROW_TILES = (12, 8, 4, 2, 1) if GROUPS == 1 else (6, 4, 2, 1)
 # dot 115 and 114 (64 rows: 124, 121, 106; a throwaway probe, AMD EPYC with AVX2 only, 2026-12-07). Not measured
 # with AVX-512: there x's rows are read as they are.
 PACKED = GROUPS == 2
+# A dense call takes x's rows in blocks of at most X_BLOCK bytes, every panel over one block before the next: the
+# block stays in the last-level cache while the panels stream past it. Down at 2048 prefill rows (x [2048, 2048],
+# 16 MiB, the size of this host's L3): 154 against 177-181 GFLOP/s in blocks of 240 rows (least of 7, 6 weights in
+# turn; a throwaway probe, AMD EPYC Zen 2 with AVX2 only, 2026-12-07). Calls whose x fits one block are unchanged.
+X_BLOCK = 2 << 20
 
 
 def _microkernel(rows: int, add: bool, packed: bool = False):
@@ -129,15 +134,16 @@ def _part(ahead, share, t, kc):
     return ahead + t * share * PANEL * 4, max(min(share, kc - t * share), 0)
 
 
-def _row_tiles(add: bool, packed: bool = False):
+def _row_tiles(add: bool):
     """``rows_times_panel`` (``add``: ``rows_plus_panel``) over the microkernels of every tile height in
-    ``ROW_TILES``: the tallest while it fits, then each smaller one at most once. ``packed``: the tallest tiles read
-    x's rows packed (``_pack``) from the address after ``ahead``."""
+    ``ROW_TILES``: the tallest while it fits, then each smaller one at most once. Where ``PACKED``, a call given
+    x's rows packed (``_pack``; ``xp_addr`` not 0) reads its tallest tiles from there."""
     top, *rest = ROW_TILES
     rest += [0] * (4 - len(rest))  # a height of 0 is never taken (a constant: LLVM drops its branch)
-    kernels = [_microkernel(r, add, packed and r == top) for r in ROW_TILES]
+    kernels = [_microkernel(r, add) for r in ROW_TILES]
     kernels += [kernels[-1]] * (5 - len(kernels))
     k_top, k_a, k_b, k_c, k_d = kernels
+    k_packed = _microkernel(top, add, packed=True) if PACKED else k_top
     r_a, r_b, r_c, r_d = rest
 
     @numba.njit(inline="always")
@@ -145,8 +151,11 @@ def _row_tiles(add: bool, packed: bool = False):
         """One column group's tiles; tile ``t`` on is each call's number in the panel (for its prefetch share)."""
         i = 0
         while i + top <= m:
-            x_top = xp_addr + i * kc * 4 if packed else x_addr + i * ldx * 4
-            k_top(x_top, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
+            out_i, part = out_addr + i * ldo * 4, _part(ahead, share, t, kc)
+            if PACKED and xp_addr:
+                k_packed(xp_addr + i * ldx * 4, ldx, w_addr, out_i, ldo, kc, *part)
+            else:
+                k_top(x_addr + i * ldx * 4, ldx, w_addr, out_i, ldo, kc, *part)
             i, t = i + top, t + 1
         if r_a and i + r_a <= m:
             k_a(x_addr + i * ldx * 4, ldx, w_addr, out_addr + i * ldo * 4, ldo, kc, *_part(ahead, share, t, kc))
@@ -179,11 +188,9 @@ def _row_tiles(add: bool, packed: bool = False):
 
 # ``out[r, :32] = x[r, :kc] @ w`` for ``m`` rows (strides ``ldx``, ``ldo`` in floats) and one panel ``w`` [kc, 32]:
 # tiles of ``ROW_TILES`` rows, in each of the panel's ``GROUPS`` column groups in turn. ``rows_plus_panel``:
-# ``out[r, :32] += x[r, :kc] @ w``. The last argument, ``ahead``, is the address of the panel to come (prefetched
-# into L2 while this one is multiplied), or 0 for none.
+# ``out[r, :32] += x[r, :kc] @ w``. ``ahead`` is the address of the panel to come (prefetched into L2 while this one
+# is multiplied), or 0 for none; an optional last argument, the address of x's rows packed (``_pack``), or 0.
 rows_times_panel, rows_plus_panel = _row_tiles(False), _row_tiles(True)
-# the same with the tallest tiles' rows packed (``_pack``), at the address after ``ahead``
-packed_times_panel, packed_plus_panel = _row_tiles(False, PACKED), _row_tiles(True, PACKED)
 
 
 @numba.njit(inline="always")
@@ -228,30 +235,39 @@ def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp):
     n, panel = panels * PANEL, kc * PANEL * 4
     w_p, out_p = w_addr + p * panel, out_addr + p * PANEL * 4
     ahead = w_p + panel if p + 1 < panels else 0
-    if xp.size and add:
-        packed_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp.ctypes.data)
-    elif xp.size:
-        packed_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp.ctypes.data)
-    elif add:
-        rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
+    xp_addr = xp.ctypes.data if xp.size else 0
+    if add:
+        rows_plus_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp_addr)
     else:
-        rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead)
+        rows_times_panel(x_addr, kc, w_p, out_p, n, m, kc, ahead, xp_addr)
+
+
+@numba.njit(inline="always")
+def _block_rows(kc):
+    """Rows per block of x (``X_BLOCK``): whole tallest tiles, at least one."""
+    top = ROW_TILES[0]
+    return max(top, X_BLOCK // (kc * 4) // top * top)
 
 
 @numba.njit(cache=True)
 def _matmul(x_addr, w_addr, out_addr, m, kc, panels, add):
-    """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32] (``add``: +=), on the calling thread."""
-    xp = _pack(x_addr, m, kc)
-    for p in range(panels):
-        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp)
+    """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32] (``add``: +=), on the calling thread, x's rows in
+    blocks (``X_BLOCK``)."""
+    xp, n, block = _pack(x_addr, m, kc), panels * PANEL, _block_rows(kc)
+    for b0 in range(0, m, block):
+        rows = min(block, m - b0)
+        for p in range(panels):
+            _panel_into(x_addr + b0 * kc * 4, w_addr, out_addr + b0 * n * 4, rows, kc, panels, p, add, xp[b0 * kc:])
 
 
 @numba.njit(cache=True, parallel=True)
 def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, add):
-    """The same with the panels spread over numba's threads (TBB)."""
-    xp = _pack_parallel(x_addr, m, kc)
-    for p in numba.prange(panels):
-        _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp)
+    """The same with each block's panels spread over numba's threads (TBB)."""
+    xp, n, block = _pack_parallel(x_addr, m, kc), panels * PANEL, _block_rows(kc)
+    for b0 in range(0, m, block):  # (a parallel loop over the panels for each block in turn)
+        rows, xp_b = min(block, m - b0), xp[b0 * kc:]
+        for p in numba.prange(panels):
+            _panel_into(x_addr + b0 * kc * 4, w_addr, out_addr + b0 * n * 4, rows, kc, panels, p, add, xp_b)
 
 
 # rows per block of the gated matmul: a block's gate and up tiles (15-16 KB each) stay in L1/L2 (whole tallest tiles
@@ -270,13 +286,9 @@ def _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up, xp):
         ahead = b0 + GLU_ROWS >= m and p + 1 < half  # the next pair's panels, over this pair's last block
         x_b, w_gate, w_up = x_addr + b0 * kc * 4, w_addr + p * panel, w_addr + (p + half) * panel
         ahead_gate, ahead_up = (w_gate + panel, w_up + panel) if ahead else (0, 0)
-        if xp.size:
-            packed_times_panel(x_b, kc, w_gate, gate.ctypes.data, PANEL, rows, kc, ahead_gate,
-                               xp.ctypes.data + b0 * kc * 4)
-            packed_times_panel(x_b, kc, w_up, up.ctypes.data, PANEL, rows, kc, ahead_up, xp.ctypes.data + b0 * kc * 4)
-        else:
-            rows_times_panel(x_b, kc, w_gate, gate.ctypes.data, PANEL, rows, kc, ahead_gate)
-            rows_times_panel(x_b, kc, w_up, up.ctypes.data, PANEL, rows, kc, ahead_up)
+        xp_b = xp.ctypes.data + b0 * kc * 4 if xp.size else 0
+        rows_times_panel(x_b, kc, w_gate, gate.ctypes.data, PANEL, rows, kc, ahead_gate, xp_b)
+        rows_times_panel(x_b, kc, w_up, up.ctypes.data, PANEL, rows, kc, ahead_up, xp_b)
         for i in range(rows):
             o, g, u = out[b0 + i, p * PANEL:(p + 1) * PANEL], gate[i], up[i]
             for c in range(PANEL):

@@ -46,11 +46,12 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 0.0
     return jnp.asarray(rng.standard_normal(shape, np.float32) * scale)
 
 
-def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
+def dense(cfg: ModelConfig, rows: int, device: jax.Device, xla_panels: bool = True) -> dict[str, float]:
     """x [rows, E] through a gate/up weight [E, 2F] and silu(gate) * up: the dense kernel over panels against
-    XLA's dot over the weight's own layout; XLA's dot over the panels ("xla_panels": what a stage in panels runs
-    for calls the kernel is slower at); where this process can use AMX's tiles, the kernel on them too, splitting
-    the weight at each call ("amx") and over its tiles split once ("amx_kept")."""
+    XLA's dot over the weight's own layout; with ``xla_panels``, XLA's dot over the panels too (what a stage in
+    panels runs for the larger calls where the kernel is slower there: only the prefill rows ask); where this
+    process can use AMX's tiles, the kernel on them too, splitting the weight at each call ("amx") and over its
+    tiles split once ("amx_kept")."""
     from pipejax.runner.cpu import dense as cpu_dense
 
     E, F = cfg.hidden_size, max(PANEL, -(-cfg.intermediate_size // PANEL) * PANEL)  # whole panels
@@ -60,9 +61,10 @@ def dense(cfg: ModelConfig, rows: int, device: jax.Device) -> dict[str, float]:
         panels = jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(E, -1, PANEL).transpose(1, 0, 2)))[None]
         kernel = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True))
         xla = jax.jit(lambda x, w: swiglu(x @ w[:, :F], x @ w[:, F:]))
-        over_panels = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True, xla_rows=1))
-        candidates = {"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w),
-                      "xla_panels": lambda: over_panels(x, panels)}
+        candidates = {"kernel": lambda: kernel(x, panels), "xla": lambda: xla(x, w)}
+        if xla_panels:
+            over_panels = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True, xla_rows=1))
+            candidates["xla_panels"] = lambda: over_panels(x, panels)
         if cpu_dense.amx_ready() and E % PANEL == 0:
             amx = jax.jit(lambda x, p: cpu_dense.matmul(x, p, 0, gated=True, amx_rows=1))
             kept = jax.jit(lambda x, p, t: cpu_dense.matmul(x, p, 0, gated=True, kept_rows=1, tiles=t))

@@ -434,7 +434,8 @@ def measure(shapes: dict[str, int], names: tuple[str, ...]) -> dict[str, dict]:
     out = {}
     for name in names:
         if name == "dense_matmuls":
-            figures = {"decode": probe.dense(cfg, rows, device), "prefill": probe.dense(cfg, tokens, device)}
+            figures = {"decode": probe.dense(cfg, rows, device, xla_panels=False),
+                       "prefill": probe.dense(cfg, tokens, device)}
         elif name == "decode_attention":
             figures = {"decode": probe.decode_attention_ms(cfg, tp, rows, shapes["context"], device)}
         else:
