@@ -53,7 +53,8 @@ def test_generate_keeps_the_default_models_quantization():
 
 
 def test_generate_sizes_its_run_by_its_prompts():
-    """Where the user gave no --max-num-seqs / --max-model-len, generate's limits are its prompts'."""
+    """Where the user gave no --max-num-seqs / --max-model-len / --max-num-batched-tokens, generate's limits
+    are its prompts'."""
     from pipejax.ray_executor.cli import generate_limits
     from pipejax.ray_executor.config import EngineConfig, ModelSource
 
@@ -61,7 +62,12 @@ def test_generate_sizes_its_run_by_its_prompts():
     prompts = [{"prompt_token_ids": [1] * 5}, {"prompt_token_ids": [1] * 40}]
     sized = generate_limits(config, prompts, 24, False, False).scheduler
     assert (sized.max_num_seqs, sized.max_model_len) == (2, 64)  # 40 + 24, rounded up to a power of two
-    assert generate_limits(config, prompts, 25, True, True).scheduler == config.scheduler
+    assert sized.max_num_batched_tokens == 64  # 5 + 40 prompt tokens, rounded up the same way
+    assert generate_limits(config, prompts, 25, True, True, True).scheduler == config.scheduler
+    many = [{"prompt_token_ids": [1] * 300}] * 3  # more than the default budget: the default stays
+    assert generate_limits(config, many, 8, False, False).scheduler.max_num_batched_tokens == 512
+    short = generate_limits(config, [{"prompt_token_ids": [1] * 3}], 8, False, False).scheduler
+    assert short.max_num_batched_tokens == 16
     assert generate_limits(config, ["no tokenizer"], 8, False, False).scheduler.max_model_len is None
 
 

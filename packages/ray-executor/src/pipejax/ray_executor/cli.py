@@ -279,19 +279,25 @@ def _generate_prompts(args: argparse.Namespace, model_path: str) -> list:
             for p, c in zip(args.prompts, chats, strict=True)]
 
 
-def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: bool, given_max_model_len: bool):
+def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: bool, given_max_model_len: bool,
+                    given_max_num_batched_tokens: bool = False):
     """``config`` with the batching limits this run needs where the user gave none: as many sequences as
-    prompts, and a max_model_len of the longest prompt + ``max_tokens`` rounded up to a power of two (so
-    runs of similar length share compiled shapes), never past the model's. Both shrink the KV cache's need
-    and the buckets to compile."""
+    prompts, a max_model_len of the longest prompt + ``max_tokens`` rounded up to a power of two (so runs of
+    similar length share compiled shapes), never past the model's, and a step budget no larger than the
+    prompts' tokens together, rounded up the same way. All three shrink the KV cache's need and the buckets
+    to compile (a prompt of 14 tokens: 2 step shapes at warm-up, not 4)."""
     import dataclasses
 
     limits = {}
     if not given_max_num_seqs:
         limits["max_num_seqs"] = len(prompts)
     lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
-    if not given_max_model_len and len(lengths) == len(prompts):
-        limits["max_model_len"] = 1 << math.ceil(math.log2(max(lengths) + max_tokens))
+    if lengths and len(lengths) == len(prompts):
+        if not given_max_model_len:
+            limits["max_model_len"] = 1 << math.ceil(math.log2(max(lengths) + max_tokens))
+        if not given_max_num_batched_tokens:
+            needed = max(16, 1 << math.ceil(math.log2(sum(lengths))))
+            limits["max_num_batched_tokens"] = min(config.scheduler.max_num_batched_tokens, needed)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
 
 
@@ -310,7 +316,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     prompts = _generate_prompts(args, config.model.path)
     config = generate_limits(config, prompts, args.max_tokens, args.max_num_seqs is not None,
-                             args.max_model_len is not None)
+                             args.max_model_len is not None, args.max_num_batched_tokens is not None)
     llm = LLM.from_config(config)
     print(llm.engine.executor.kv_cache.describe())
     ready = time.perf_counter()
