@@ -38,13 +38,15 @@ def test_kernel_and_xla_over_panels_match_numpy(rows, ins, outs):
 
 
 def test_rows_past_one_block_of_x():
-    """An x larger than ``X_BLOCK`` goes through the panels a block of rows at a time: two whole blocks and one of
-    7 rows (a tallest tile and the smaller ones), plain and added to a residual, match numpy."""
+    """An x larger than ``X_BLOCK`` goes through the panels a block of rows at a time (three equal blocks, the
+    last 7 rows short of whole tiles), plain and added to a residual, match numpy."""
     from pipejax.runner.cpu import dense_kernel
 
     kc = 2048
-    rows = 2 * dense_kernel._block_rows(kc) + 7
-    assert dense_kernel._block_rows(kc) * kc * 4 <= dense_kernel.X_BLOCK < rows * kc * 4
+    most = dense_kernel.X_BLOCK // (kc * 4) // dense_kernel.ROW_TILES[0] * dense_kernel.ROW_TILES[0]
+    rows = 2 * most + 7
+    block = dense_kernel._block_rows(rows, kc)
+    assert block * kc * 4 <= dense_kernel.X_BLOCK < rows * kc * 4 and -(-rows // block) == 3
     rng = np.random.default_rng(0)
     x = rng.standard_normal((rows, kc), np.float32)
     w = rng.standard_normal((kc, 2 * PANEL), np.float32)
@@ -54,6 +56,16 @@ def test_rows_past_one_block_of_x():
     np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels)), want, rtol=1e-4, atol=1e-3)
     added = cpu_dense.matmul(x, panels, residual=jax.numpy.asarray(residual))
     np.testing.assert_allclose(np.asarray(added), residual + want, rtol=1e-4, atol=1e-3)
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
+    from pipejax.runner.cpu import isa
+
+    for index, size in enumerate(("32K", "512K", "16384K", "garbage")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert isa.last_level_cache_bytes(str(tmp_path)) == 16 << 20
+    assert isa.last_level_cache_bytes(str(tmp_path / "none"), default=123) == 123
 
 
 @pytest.mark.parametrize("rows", [5, 64])
@@ -246,7 +258,7 @@ for rows in (1, 2, 3, 5, 7, 11, 13, 64):
     res = rng.standard_normal((rows, 128), np.float32)
     np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels, residual=jax.numpy.asarray(res))), res + want,
                                rtol=1e-4, atol=1e-4)
-rows = 2 * dense_kernel._block_rows(2048) + 7  # x's rows in blocks (X_BLOCK), each packed
+rows = 2 * (dense_kernel.X_BLOCK // 8192 // 6 * 6) + 7  # x's rows in three blocks (X_BLOCK), each packed
 x, w = rng.standard_normal((rows, 2048), np.float32), rng.standard_normal((2048, 64), np.float32)
 panels = jax.numpy.asarray(np.ascontiguousarray(w.reshape(2048, 2, 32).transpose(1, 0, 2)))[None]
 np.testing.assert_allclose(np.asarray(cpu_dense.matmul(x, panels)), x.astype(np.float64) @ w, rtol=1e-4, atol=1e-3)

@@ -43,11 +43,13 @@ ROW_TILES = (12, 8, 4, 2, 1) if GROUPS == 1 else (6, 4, 2, 1)
 # dot 115 and 114 (64 rows: 124, 121, 106; a throwaway probe, AMD EPYC with AVX2 only, 2026-12-07). Not measured
 # with AVX-512: there x's rows are read as they are.
 PACKED = GROUPS == 2
-# A dense call takes x's rows in blocks of at most X_BLOCK bytes, every panel over one block before the next: the
-# block stays in the last-level cache while the panels stream past it. Down at 2048 prefill rows (x [2048, 2048],
-# 16 MiB, the size of this host's L3): 154 against 177-181 GFLOP/s in blocks of 240 rows (least of 7, 6 weights in
-# turn; a throwaway probe, AMD EPYC Zen 2 with AVX2 only, 2026-12-07). Calls whose x fits one block are unchanged.
-X_BLOCK = 2 << 20
+# A dense call whose x is larger than X_BLOCK bytes (half the last-level cache, at most 32 MiB) takes x's rows in
+# equal blocks under it, every panel over one block before the next, so that the block stays in that cache while
+# the panels stream past it. Down at 2048 prefill rows (x [2048, 2048], 16 MiB: the whole L3 of an AMD EPYC Zen 2
+# with AVX2 only, 2026-12-07): 43.3-45.1 ms (143-149 GFLOP/s) in one pass, 36.0-36.3 in three blocks of 684 rows;
+# 1536 rows 29.7 against 27.2-27.3; calls whose x fits (512 x 2048, 2048 x 768) alike either way (least of 7, 6
+# weights in turn; a throwaway probe over _matmul_parallel).
+X_BLOCK = min(isa.last_level_cache_bytes() // 2, 32 << 20)
 
 
 def _microkernel(rows: int, add: bool, packed: bool = False):
@@ -243,17 +245,19 @@ def _panel_into(x_addr, w_addr, out_addr, m, kc, panels, p, add, xp):
 
 
 @numba.njit(inline="always")
-def _block_rows(kc):
-    """Rows per block of x (``X_BLOCK``): whole tallest tiles, at least one."""
+def _block_rows(m, kc):
+    """Rows per block of x [m, kc]: as few equal blocks as keep each within ``X_BLOCK``, in whole tallest tiles."""
     top = ROW_TILES[0]
-    return max(top, X_BLOCK // (kc * 4) // top * top)
+    most = max(top, X_BLOCK // (kc * 4) // top * top)
+    rows = -(-m // -(-m // most))  # m over the fewest blocks of at most ``most`` rows
+    return -(-rows // top) * top
 
 
 @numba.njit(cache=True)
 def _matmul(x_addr, w_addr, out_addr, m, kc, panels, add):
     """out [m, panels * 32] = x [m, kc] @ w [panels, kc, 32] (``add``: +=), on the calling thread, x's rows in
     blocks (``X_BLOCK``)."""
-    xp, n, block = _pack(x_addr, m, kc), panels * PANEL, _block_rows(kc)
+    xp, n, block = _pack(x_addr, m, kc), panels * PANEL, _block_rows(m, kc)
     for b0 in range(0, m, block):
         rows = min(block, m - b0)
         for p in range(panels):
@@ -263,7 +267,7 @@ def _matmul(x_addr, w_addr, out_addr, m, kc, panels, add):
 @numba.njit(cache=True, parallel=True)
 def _matmul_parallel(x_addr, w_addr, out_addr, m, kc, panels, add):
     """The same with each block's panels spread over numba's threads (TBB)."""
-    xp, n, block = _pack_parallel(x_addr, m, kc), panels * PANEL, _block_rows(kc)
+    xp, n, block = _pack_parallel(x_addr, m, kc), panels * PANEL, _block_rows(m, kc)
     for b0 in range(0, m, block):  # (a parallel loop over the panels for each block in turn)
         rows, xp_b = min(block, m - b0), xp[b0 * kc:]
         for p in numba.prange(panels):

@@ -36,6 +36,23 @@ def vector_lanes() -> int:
 
 
 @functools.cache
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache", default: int = 16 << 20) -> int:
+    """Bytes of the largest cache Linux lists for CPU 0 (``root/index*/size``: ``16384K``), or ``default`` where it
+    lists none."""
+    import glob
+
+    units, sizes = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}, []
+    for path in glob.glob(f"{root}/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=default)
+
+
+@functools.cache
 def amx() -> bool:
     """Whether numba's target has AMX's tiles with bf16 products (``amx-tile`` and ``amx-bf16``; a target named
     without its features is taken as not)."""
