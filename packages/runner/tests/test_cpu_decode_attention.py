@@ -13,10 +13,10 @@ L, N, BLOCK, K, D = 3, 40, 16, 2, 32
 def _reference(q, k, v, layer, tables, start_pos, window):
     """Softmax attention of each row's query heads over its visible context, one slot at a time."""
     R, H, _ = q.shape
-    K = k.shape[3]
+    block, K = k.shape[2], k.shape[3]
     out = np.zeros_like(q)
     for r in range(R):
-        slots = [(tables[r, c // BLOCK], c % BLOCK) for c in range(start_pos[r] + 1)]
+        slots = [(tables[r, c // block], c % block) for c in range(start_pos[r] + 1)]
         if window:
             slots = slots[max(0, start_pos[r] + 1 - window):]
         for h in range(H):
@@ -63,6 +63,53 @@ def test_rows_and_kv_heads_split_between_tasks(rows, kv_heads, B, spread):
     start_pos = rng.integers(0, B * BLOCK, rows).astype(np.int32)
     got = jax.jit(kernel.paged_decode_attention, static_argnums=(6,))(q, k, v, jnp.int32(2), tables, start_pos, 0)
     np.testing.assert_allclose(np.asarray(got), _reference(q, k, v, 2, tables, start_pos, 0), rtol=1e-5, atol=1e-5)
+
+
+def check_tiles():
+    """numba's kernel itself (no fallback to XLA's formulation can hide a failure) against numpy, at block sizes
+    and head dimensions that are and are not multiples of the scores tile (``attention_tiles.LANES`` slots, whole
+    vectors of the head dimension): a block's last tile short, the head dimension's remainder in plain loops, a
+    sliding window that starts inside a tile; on the calling thread and spread."""
+    from pipejax.runner.cpu import decode_kernel
+
+    rng = np.random.default_rng(7)
+    for block, heads, kv_heads, dim, window in [(16, 6, 2, 64, 0), (12, 4, 1, 36, 0), (24, 3, 3, 8, 0),
+                                                 (16, 8, 2, 128, 21), (4, 2, 2, 20, 0)]:
+        blocks, rows = 30, 5
+        per_row = -(-decode_kernel._MIN_PARALLEL_SLOTS // (rows * block))  # enough context to spread
+        k = rng.standard_normal((2, blocks, block, kv_heads, dim), np.float32)
+        v = rng.standard_normal((2, blocks, block, kv_heads, dim), np.float32)
+        q = rng.standard_normal((rows, heads, dim), np.float32)
+        tables = rng.integers(1, blocks, (rows, per_row)).astype(np.int32)
+        start_pos = np.array([0, block - 1, block, 2 * block + 3, per_row * block - 1], np.int32)
+        want = _reference(q, k, v, 1, tables, start_pos, window)
+        for attend in (decode_kernel._attend, decode_kernel._attend_parallel):
+            out = np.full_like(q, np.nan)
+            attend(q, k.ravel(), v.ravel(), k.shape, 1, tables, start_pos, window, out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"block {block}, dim {dim}")
+
+
+def test_the_tiles_take_any_block_size_and_head_dimension():
+    check_tiles()
+
+
+def test_the_avx2_tiles_where_this_host_has_wider_vectors(tmp_path):
+    """Compiled for an AVX2 target (``NUMBA_CPU_NAME=haswell``: 8 lanes) on a host whose own target is wider, so
+    that both tile widths are checked there; on an AVX2 host the test above has checked them."""
+    import os
+    import subprocess
+    import sys
+
+    from pipejax.runner.cpu import attention_tiles
+
+    if attention_tiles.LANES == 8:
+        pytest.skip("this host's own target has 8 lanes: test_the_tiles_take_any_block_size_and_head_dimension")
+    env = {**os.environ, "NUMBA_CPU_NAME": "haswell", "NUMBA_CACHE_DIR": str(tmp_path)}
+    script = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+              "from pipejax.runner.cpu import attention_tiles\nassert attention_tiles.LANES == 8\n"
+              "from test_cpu_decode_attention import check_tiles\ncheck_tiles()\nprint('ok')")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_used_inside_a_scan_that_updates_the_cache():

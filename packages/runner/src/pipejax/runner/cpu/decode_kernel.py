@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from pipejax.runner.cpu import ffi
+from pipejax.runner.cpu.attention_tiles import LANES, scores_tile, values_1, values_2, values_4, values_8
 from pipejax.runner.cpu.ffi import float32s
 from pipejax.runner.cpu.prefetch import LINE, prefetch
 from pipejax.runner.cpu.vector_exp import softmax_numerators
@@ -32,20 +33,34 @@ _MIN_PARALLEL_SLOTS = 1024
 _MAX_WORKERS = 64  # tasks at most a parallel call spreads (each with its scratch); more rows share them in turn
 
 
+@numba.njit(inline="always")
+def _values(p_addr, v_addr, stride, slots, out_addr, chunks):
+    """``values_tiles`` over ``chunks`` vectors of the head dimension: the widest tile while it fits, then each
+    narrower one at most once."""
+    c, step = 0, LANES * 4
+    while chunks - c >= 8:
+        values_8(p_addr, v_addr + c * step, stride, slots, out_addr + c * step)
+        c += 8
+    if chunks - c >= 4:
+        values_4(p_addr, v_addr + c * step, stride, slots, out_addr + c * step)
+        c += 4
+    if chunks - c >= 2:
+        values_2(p_addr, v_addr + c * step, stride, slots, out_addr + c * step)
+        c += 2
+    if chunks - c >= 1:
+        values_1(p_addr, v_addr + c * step, stride, slots, out_addr + c * step)
+
+
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
 def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh_lo, kh_hi, scores, qs,
                 acc, totals):
     """Row ``r``'s query heads of KV heads [kh_lo, kh_hi): q [R, H, D]; k_flat/v_flat: caches
     [L, N, block_size, K, D] (``cache_shape``) flattened; tables [R, B]; start_pos [R] -> out[r, heads].
-    Walks the row's blocks in order and each slot's KV heads in memory order, so a row's K and V are each read
-    as one forward stream: 2.6x faster on one core than a pass per KV head, which strides through the blocks
-    (12 layers x 64 rows x 129 slots: 22 against 58 ms; a one-off probe, 2026-12-01). scores [H, B * block_size],
-    qs and acc [H, D], totals [H]: scratch.
-
-    The inner loops read keys, values, queries and sums through pointer views (``ffi.float32s``), the query heads of a
-    KV head after one another on its key or value: 12 layers x 64 rows x 129 slots, 2 threads, the kernel alone
-    (``benchmarks/probes/decode_attention_kernel.py``; Intel Xeon, 2026-12-06): 11.9-12.4 against 13.6-13.8 ms with
-    each layer's cache from memory, 8.2 against 9.8-9.9 from the caches, to the same bits."""
+    Walks the row's blocks in order, so that its K and V are each read as one forward stream: 2.6x faster on one
+    core than a pass per KV head, which strides through the blocks (12 layers x 64 rows x 129 slots: 22 against
+    58 ms; a one-off probe, 2026-12-01). Within a block, each query head takes its KV head's slots in register tiles
+    (``attention_tiles``), the head dimension's remainder past whole vectors in plain loops. scores
+    [H, B * block_size + LANES] (a block's last tile writes whole vectors), qs and acc [H, D], totals [H]: scratch."""
     _, H, D = q.shape
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
@@ -59,44 +74,59 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
     for h in range(h_lo, h_hi):
         for d in range(D):
             qs[h, d] = q[r, h, d] * scale
+    chunks = D // LANES
     b_last = (hi - 1) // block_size
     k_addr, v_addr, slot_bytes, head_bytes = k_flat.ctypes.data, v_flat.ctypes.data, slot_stride * 4, D * 4
     qs_addr, acc_addr, scores_addr = qs.ctypes.data, acc.ctypes.data, scores.ctypes.data
+    heads_lo, heads_bytes = kh_lo * head_bytes, (kh_hi - kh_lo) * head_bytes
     for b in range(lo // block_size, b_last + 1):
         here = (layer_base + tables[r, b] * block_stride) * 4  # the block's byte offset in either cache
-        # the hardware prefetcher cannot guess the row's next block: each slot fetches its place in the next
-        # block's keys, and in this block's values (read by the second pass). 12 layers x 64 rows x 129 slots, each
-        # layer's cache from memory, 2 threads: 14.4 against 20.5 ms without (the kernel alone; in the decode step,
-        # benchmarks/probes/step_profile.py: 1.28 against 1.69 ms a layer; Intel Xeon, 2026-12-06)
-        k_next = k_addr + (layer_base + tables[r, min(b + 1, b_last)] * block_stride) * 4
-        for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            at = (c - b * block_size) * slot_bytes
-            for line in range(0, slot_bytes, LINE):
-                prefetch(k_next + at + line)
-                prefetch(v_addr + here + at + line)
-            for kh in range(kh_lo, kh_hi):
-                key = float32s(k_addr + here + at + kh * head_bytes, D)
-                for h in range(kh * G, (kh + 1) * G):
-                    qh = float32s(qs_addr + h * head_bytes, D)
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += qh[d] * key[d]
-                    float32s(scores_addr + h * width * 4, width)[c] = s
+        first, end = b * block_size, (b + 1) * block_size
+        # the hardware prefetcher cannot guess the row's next block: while this block's scores are taken, the next
+        # block's keys and this block's values (read by the second pass) are fetched, a line of each at a time spread
+        # evenly over the block's tiles. 12 layers x 64 rows x 129 slots, each layer's cache from memory, 2 threads:
+        # 10.4-11.2 ms against 14.9-15.6 without, 13.1-13.9 with a slot's lines at a time, 12.6 with each tile's
+        # share in one tight loop (throwaway variants of benchmarks/probes/decode_attention_kernel.py, alternated;
+        # AMD EPYC Zen 2 with AVX2 only, 2026-12-07)
+        k_next = k_addr + (layer_base + tables[r, min(b + 1, b_last)] * block_stride) * 4 + heads_lo
+        v_here = v_addr + here + heads_lo
+        c_lo, c_hi = max(lo, first), min(hi, end)
+        per_slot = heads_bytes // LINE
+        share = -(-(c_hi - c_lo) * per_slot // ((kh_hi - kh_lo) * G * -(-block_size // LANES)))  # lines per tile
+        at, line = (c_lo - first) * slot_bytes, 0  # the next line to fetch: its slot's offset, its place there
+        for kh in range(kh_lo, kh_hi):
+            key = k_addr + here + kh * head_bytes
+            for h in range(kh * G, (kh + 1) * G):
+                for c0 in range(first, end, LANES):
+                    for _ in range(share):
+                        if at < (c_hi - first) * slot_bytes:  # a line of each
+                            prefetch(k_next + at + line)
+                            prefetch(v_here + at + line)
+                            line += LINE
+                            if line == per_slot * LINE:
+                                at, line = at + slot_bytes, 0
+                    if c0 + LANES > lo and c0 < hi:
+                        scores_tile(qs_addr + h * head_bytes, key + (c0 - first) * slot_bytes, slot_bytes, chunks,
+                                    min(LANES, end - c0), scores_addr + (h * width + c0) * 4)
+                for d in range(chunks * LANES, D):  # the head dimension past whole vectors
+                    for c in range(c_lo, c_hi):
+                        scores[h, c] += qs[h, d] * float32s(key + (c - first) * slot_bytes, D)[d]
     for h in range(h_lo, h_hi):
         totals[h] = softmax_numerators(scores[h], lo, hi)
         for d in range(D):
             acc[h, d] = 0.0
     for b in range(lo // block_size, b_last + 1):
         here = (layer_base + tables[r, b] * block_stride) * 4
-        for c in range(max(lo, b * block_size), min(hi, (b + 1) * block_size)):
-            at = (c - b * block_size) * slot_bytes
-            for kh in range(kh_lo, kh_hi):
-                value = float32s(v_addr + here + at + kh * head_bytes, D)
-                for h in range(kh * G, (kh + 1) * G):
-                    a = float32s(acc_addr + h * head_bytes, D)
-                    p = float32s(scores_addr + h * width * 4, width)[c]
-                    for d in range(D):
-                        a[d] += p * value[d]
+        first = max(lo, b * block_size)
+        slots = min(hi, (b + 1) * block_size) - first
+        for kh in range(kh_lo, kh_hi):
+            value = v_addr + here + (first - b * block_size) * slot_bytes + kh * head_bytes
+            for h in range(kh * G, (kh + 1) * G):
+                p_addr = scores_addr + (h * width + first) * 4
+                _values(p_addr, value, slot_bytes, slots, acc_addr + h * head_bytes, chunks)
+                for d in range(chunks * LANES, D):
+                    for n in range(slots):
+                        acc[h, d] += scores[h, first + n] * float32s(value + n * slot_bytes, D)[d]
     for h in range(h_lo, h_hi):
         inv = np.float32(1.0) / totals[h]
         for d in range(D):
@@ -110,7 +140,7 @@ def _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, wind
     see (inlined into the parallel loop, numba hoisted the scratch out of it, as its parallel diagnostics say, and
     the results came out wrong)."""
     H, D, K = q.shape[1], q.shape[2], cache_shape[3]
-    scores = np.empty((H, tables.shape[1] * cache_shape[2]), np.float32)
+    scores = np.empty((H, tables.shape[1] * cache_shape[2] + LANES), np.float32)
     qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
     for task in range(first, last):
         r, part = task // splits, task % splits

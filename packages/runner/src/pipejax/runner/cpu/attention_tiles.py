@@ -1,0 +1,162 @@
+"""Register tiles for the CPU decode-attention kernel (numba intrinsics of LLVM IR; imported only where the kernel is
+built). numba's own loops over one slot and one query head at a time spend most of their time around the
+arithmetic: a horizontal sum after every 64-element dot, and every weighted value added into a sum kept in memory.
+Here each tile's sums stay in registers:
+
+- ``scores_tile``: one query head against ``LANES`` slots of one KV head, a vector register per slot over the head
+  dimension, the registers summed across at the end in one transposing tree (``LANES - 1`` shuffle pairs for
+  ``LANES`` scores, not a horizontal sum each);
+- ``values_tiles``: one query head's weighted values over a run of slots, ``chunks`` registers of the head
+  dimension accumulating in place, loaded and stored once per run.
+
+Both read addresses (int64) and strides in bytes; the head dimension is taken in whole vectors (``LANES`` floats),
+and the caller does what remains of it. The kernel alone, 12 layers x 64 rows x 129 slots on 2 threads
+(``benchmarks/probes/decode_attention_kernel.py``, old and new alternated three times; AMD EPYC Zen 2 with AVX2 only,
+2026-12-07): each layer's cache from the caches 6.6-6.8 ms against 8.4-8.7 with numba's loops, from memory
+10.2-11.2 against 12.6-13.3 (with the prefetches spread over the tiles, ``decode_kernel``). Not measured with
+AVX-512, where the tiles are 16 slots and 16-lane vectors.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from pipejax.runner.cpu import isa
+
+LANES = isa.vector_lanes()  # float32 lanes of the target's vector registers: slots per scores tile
+VALUE_CHUNKS = (8, 4, 2, 1)  # vectors of the head dimension a values tile accumulates; the widest first
+
+
+def _types(builder: ir.IRBuilder):
+    f32 = ir.FloatType()
+    vec = ir.VectorType(f32, LANES)
+    name = f"llvm.fma.v{LANES}f32"
+    fma = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vec, [vec] * 3), name=name)
+    return f32, vec, ir.IntType(64), fma
+
+
+def _vector_at(builder, base, index, vec):
+    """A pointer to the vector at float ``index`` of ``base`` (a float pointer)."""
+    return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
+
+
+def _sum_across(builder, sums: list, i32) -> ir.Value:
+    """One vector whose lane s is the sum of the lanes of ``sums[s]``: pairs of vectors folded in halves, level by
+    level, so that after each level a vector holds twice the sources, each in half the lanes (in order)."""
+    width = LANES  # lanes each source takes in a vector
+    while width > 1:
+        half, sources = width // 2, LANES // width
+        low = [s * width + i for s in range(sources) for i in range(half)]
+        high = [s * width + half + i for s in range(sources) for i in range(half)]
+        first = ir.Constant(ir.VectorType(i32, LANES), low + [LANES + i for i in low])
+        second = ir.Constant(ir.VectorType(i32, LANES), high + [LANES + i for i in high])
+        sums = [builder.fadd(builder.shuffle_vector(u, v, first), builder.shuffle_vector(u, v, second))
+                for u, v in zip(sums[::2], sums[1::2], strict=True)]
+        width = half
+    return sums[0]
+
+
+@intrinsic
+def scores_tile(typingctx, q, k, stride, chunks, n, out):
+    """``scores_tile(q, k, stride, chunks, n, out)``: ``out[s] = sum_d q[d] * k_s[d]`` for s < ``LANES``, over
+    ``chunks`` vectors of the head dimension, where slot s's key is at ``k + min(s, n - 1) * stride`` (slots from
+    ``n`` on repeat the last one: their lanes are written, and the caller ignores them). ``out`` takes ``LANES``
+    floats."""
+    sig = types.void(*[types.int64] * 6)
+
+    def codegen(context, builder, signature, args):
+        q_addr, k_addr, stride, chunks, n, out_addr = args
+        f32, vec, i64, fma = _types(builder)
+        one, zero = ir.Constant(i64, 1), ir.Constant(vec, [0.0] * LANES)
+        last = builder.sub(n, one)
+        keys = []
+        for s in range(LANES):
+            slot = builder.select(builder.icmp_signed("<", ir.Constant(i64, s), n), ir.Constant(i64, s), last)
+            keys.append(builder.inttoptr(builder.add(k_addr, builder.mul(slot, stride)), f32.as_pointer()))
+        q0 = builder.inttoptr(q_addr, f32.as_pointer())
+        entry, loop = builder.block, builder.function.append_basic_block("scores.loop")
+        done = builder.function.append_basic_block("scores.done")
+        builder.cbranch(builder.icmp_signed(">", chunks, ir.Constant(i64, 0)), loop, done)
+
+        builder.position_at_end(loop)  # one vector of the head dimension: the query's, times each slot's key
+        j = builder.phi(i64)
+        acc = [builder.phi(vec) for _ in range(LANES)]
+        at = builder.mul(j, ir.Constant(i64, LANES))
+        qv = builder.load(_vector_at(builder, q0, at, vec), align=4)
+        new = [builder.call(fma, [qv, builder.load(_vector_at(builder, key, at, vec), align=4), a])
+               for key, a in zip(keys, acc, strict=True)]
+        j_next = builder.add(j, one)
+        j.add_incoming(ir.Constant(i64, 0), entry)
+        j.add_incoming(j_next, loop)
+        for a, v in zip(acc, new, strict=True):
+            a.add_incoming(zero, entry)
+            a.add_incoming(v, loop)
+        builder.cbranch(builder.icmp_signed("<", j_next, chunks), loop, done)
+
+        builder.position_at_end(done)
+        sums = []
+        for v in new:
+            s = builder.phi(vec)
+            s.add_incoming(zero, entry)
+            s.add_incoming(v, loop)
+            sums.append(s)
+        total = _sum_across(builder, sums, ir.IntType(32))
+        builder.store(total, builder.inttoptr(out_addr, vec.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _values_tile(chunks: int):
+    """An intrinsic ``(p, v, stride, slots, out)``: ``out[:chunks * LANES] += sum_n p[n] * v_n`` over ``slots``
+    slots, slot n's values at ``v + n * stride``, each slot added in turn (the order of a plain loop)."""
+
+    @intrinsic
+    def tile(typingctx, p, v, stride, slots, out):
+        sig = types.void(*[types.int64] * 5)
+
+        def codegen(context, builder, signature, args):
+            p_addr, v_addr, stride, slots, out_addr = args
+            f32, vec, i64, fma = _types(builder)
+            i32, one = ir.IntType(32), ir.Constant(i64, 1)
+            out0, p0 = builder.inttoptr(out_addr, f32.as_pointer()), builder.inttoptr(p_addr, f32.as_pointer())
+            dests = [_vector_at(builder, out0, ir.Constant(i64, c * LANES), vec) for c in range(chunks)]
+            start = [builder.load(d, align=4) for d in dests]
+            entry, loop = builder.block, builder.function.append_basic_block("values.loop")
+            done = builder.function.append_basic_block("values.done")
+            builder.cbranch(builder.icmp_signed(">", slots, ir.Constant(i64, 0)), loop, done)
+
+            builder.position_at_end(loop)  # one slot: its weight broadcast, times its values
+            n = builder.phi(i64)
+            acc = [builder.phi(vec) for _ in range(chunks)]
+            undef = ir.Constant(vec, ir.Undefined)
+            weight = builder.insert_element(undef, builder.load(builder.gep(p0, [n])), ir.Constant(i32, 0))
+            weight = builder.shuffle_vector(weight, undef, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+            row = builder.inttoptr(builder.add(v_addr, builder.mul(n, stride)), f32.as_pointer())
+            new = [builder.call(fma, [weight, builder.load(_vector_at(builder, row, ir.Constant(i64, c * LANES), vec),
+                                                           align=4), a]) for c, a in enumerate(acc)]
+            n_next = builder.add(n, one)
+            n.add_incoming(ir.Constant(i64, 0), entry)
+            n.add_incoming(n_next, loop)
+            for a, s, v in zip(acc, start, new, strict=True):
+                a.add_incoming(s, entry)
+                a.add_incoming(v, loop)
+            builder.cbranch(builder.icmp_signed("<", n_next, slots), loop, done)
+
+            builder.position_at_end(done)
+            totals = [builder.phi(vec) for _ in range(chunks)]
+            for total, s, v in zip(totals, start, new, strict=True):
+                total.add_incoming(s, entry)
+                total.add_incoming(v, loop)
+            for total, d in zip(totals, dests, strict=True):
+                builder.store(total, d, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+values_8, values_4, values_2, values_1 = (_values_tile(c) for c in VALUE_CHUNKS)
