@@ -24,17 +24,10 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu import isa
+from pipejax.runner.cpu.ir_loop import I64, CountedLoop, fma, splat
 
 LANES = isa.vector_lanes()  # float32 lanes of the target's vector registers: slots per scores tile
 VALUE_CHUNKS = (8, 4, 2, 1)  # vectors of the head dimension a values tile accumulates; the widest first
-
-
-def _types(builder: ir.IRBuilder):
-    f32 = ir.FloatType()
-    vec = ir.VectorType(f32, LANES)
-    name = f"llvm.fma.v{LANES}f32"
-    fma = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vec, [vec] * 3), name=name)
-    return f32, vec, ir.IntType(64), fma
 
 
 def _vector_at(builder, base, index, vec):
@@ -68,40 +61,20 @@ def scores_tile(typingctx, q, k, stride, chunks, n, out):
 
     def codegen(context, builder, signature, args):
         q_addr, k_addr, stride, chunks, n, out_addr = args
-        f32, vec, i64, fma = _types(builder)
-        one, zero = ir.Constant(i64, 1), ir.Constant(vec, [0.0] * LANES)
+        f32, one = ir.FloatType(), ir.Constant(I64, 1)
+        vec, fma_v = ir.VectorType(f32, LANES), fma(builder, LANES)
         last = builder.sub(n, one)
         keys = []
         for s in range(LANES):
-            slot = builder.select(builder.icmp_signed("<", ir.Constant(i64, s), n), ir.Constant(i64, s), last)
+            slot = builder.select(builder.icmp_signed("<", ir.Constant(I64, s), n), ir.Constant(I64, s), last)
             keys.append(builder.inttoptr(builder.add(k_addr, builder.mul(slot, stride)), f32.as_pointer()))
         q0 = builder.inttoptr(q_addr, f32.as_pointer())
-        entry, loop = builder.block, builder.function.append_basic_block("scores.loop")
-        done = builder.function.append_basic_block("scores.done")
-        builder.cbranch(builder.icmp_signed(">", chunks, ir.Constant(i64, 0)), loop, done)
-
-        builder.position_at_end(loop)  # one vector of the head dimension: the query's, times each slot's key
-        j = builder.phi(i64)
-        acc = [builder.phi(vec) for _ in range(LANES)]
-        at = builder.mul(j, ir.Constant(i64, LANES))
+        # one vector of the head dimension a trip: the query's, times each slot's key
+        loop = CountedLoop(builder, chunks, "scores", [ir.Constant(vec, [0.0] * LANES)] * LANES)
+        at = builder.mul(loop.index, ir.Constant(I64, LANES))
         qv = builder.load(_vector_at(builder, q0, at, vec), align=4)
-        new = [builder.call(fma, [qv, builder.load(_vector_at(builder, key, at, vec), align=4), a])
-               for key, a in zip(keys, acc, strict=True)]
-        j_next = builder.add(j, one)
-        j.add_incoming(ir.Constant(i64, 0), entry)
-        j.add_incoming(j_next, loop)
-        for a, v in zip(acc, new, strict=True):
-            a.add_incoming(zero, entry)
-            a.add_incoming(v, loop)
-        builder.cbranch(builder.icmp_signed("<", j_next, chunks), loop, done)
-
-        builder.position_at_end(done)
-        sums = []
-        for v in new:
-            s = builder.phi(vec)
-            s.add_incoming(zero, entry)
-            s.add_incoming(v, loop)
-            sums.append(s)
+        sums = loop.close([builder.call(fma_v, [qv, builder.load(_vector_at(builder, key, at, vec), align=4), a])
+                           for key, a in zip(keys, loop.carried, strict=True)])
         total = _sum_across(builder, sums, ir.IntType(32))
         builder.store(total, builder.inttoptr(out_addr, vec.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -119,37 +92,17 @@ def _values_tile(chunks: int):
 
         def codegen(context, builder, signature, args):
             p_addr, v_addr, stride, slots, out_addr = args
-            f32, vec, i64, fma = _types(builder)
-            i32, one = ir.IntType(32), ir.Constant(i64, 1)
+            f32 = ir.FloatType()
+            vec, fma_v = ir.VectorType(f32, LANES), fma(builder, LANES)
             out0, p0 = builder.inttoptr(out_addr, f32.as_pointer()), builder.inttoptr(p_addr, f32.as_pointer())
-            dests = [_vector_at(builder, out0, ir.Constant(i64, c * LANES), vec) for c in range(chunks)]
-            start = [builder.load(d, align=4) for d in dests]
-            entry, loop = builder.block, builder.function.append_basic_block("values.loop")
-            done = builder.function.append_basic_block("values.done")
-            builder.cbranch(builder.icmp_signed(">", slots, ir.Constant(i64, 0)), loop, done)
-
-            builder.position_at_end(loop)  # one slot: its weight broadcast, times its values
-            n = builder.phi(i64)
-            acc = [builder.phi(vec) for _ in range(chunks)]
-            undef = ir.Constant(vec, ir.Undefined)
-            weight = builder.insert_element(undef, builder.load(builder.gep(p0, [n])), ir.Constant(i32, 0))
-            weight = builder.shuffle_vector(weight, undef, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
-            row = builder.inttoptr(builder.add(v_addr, builder.mul(n, stride)), f32.as_pointer())
-            new = [builder.call(fma, [weight, builder.load(_vector_at(builder, row, ir.Constant(i64, c * LANES), vec),
-                                                           align=4), a]) for c, a in enumerate(acc)]
-            n_next = builder.add(n, one)
-            n.add_incoming(ir.Constant(i64, 0), entry)
-            n.add_incoming(n_next, loop)
-            for a, s, v in zip(acc, start, new, strict=True):
-                a.add_incoming(s, entry)
-                a.add_incoming(v, loop)
-            builder.cbranch(builder.icmp_signed("<", n_next, slots), loop, done)
-
-            builder.position_at_end(done)
-            totals = [builder.phi(vec) for _ in range(chunks)]
-            for total, s, v in zip(totals, start, new, strict=True):
-                total.add_incoming(s, entry)
-                total.add_incoming(v, loop)
+            dests = [_vector_at(builder, out0, ir.Constant(I64, c * LANES), vec) for c in range(chunks)]
+            loop = CountedLoop(builder, slots, "values", [builder.load(d, align=4) for d in dests])
+            # one slot a trip: its weight broadcast, times its values
+            weight = splat(builder, builder.load(builder.gep(p0, [loop.index])), LANES)
+            row = builder.inttoptr(builder.add(v_addr, builder.mul(loop.index, stride)), f32.as_pointer())
+            totals = loop.close([builder.call(fma_v, [weight, builder.load(
+                _vector_at(builder, row, ir.Constant(I64, c * LANES), vec), align=4), a])
+                for c, a in enumerate(loop.carried)])
             for total, d in zip(totals, dests, strict=True):
                 builder.store(total, d, align=4)
             return context.get_dummy_value()

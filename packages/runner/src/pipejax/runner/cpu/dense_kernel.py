@@ -23,6 +23,7 @@ from numba.extending import intrinsic
 from pipejax.runner.cpu import amx_kernel, isa, prefetch
 from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED, SPLIT, TILED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, float32s, handler_compiler, ptr, scalar_i32, serve
+from pipejax.runner.cpu.ir_loop import CountedLoop, fma, splat
 from pipejax.runner.cpu.vector_exp import exp_f32
 from pipejax.runner.panels import PANEL
 
@@ -67,23 +68,13 @@ def _microkernel(rows: int, add: bool, packed: bool = False):
 
         def codegen(context, builder, signature, args):
             x_addr, ldx, w_addr, out_addr, ldo, kc, ahead, ahead_rows = args
-            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-            vec = ir.VectorType(f32, LANES)
-            module = builder.module
-            name = f"llvm.fma.v{LANES}f32"
-            fma = module.globals.get(name) or ir.Function(module, ir.FunctionType(vec, [vec] * 3), name=name)
+            i64, f32 = ir.IntType(64), ir.FloatType()
+            vec, fma_v = ir.VectorType(f32, LANES), fma(builder, LANES)
             x0, w0, out0 = (builder.inttoptr(a, f32.as_pointer()) for a in (x_addr, w_addr, out_addr))
-            zero, undef = ir.Constant(vec, [0.0] * LANES), ir.Constant(vec, ir.Undefined)
-            splat = ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
-            entry, loop = builder.block, builder.function.append_basic_block("panel.loop")
-            done = builder.function.append_basic_block("panel.done")
-            builder.cbranch(builder.icmp_signed(">", kc, ir.Constant(i64, 0)), loop, done)
-
+            # one input row k a trip: 2 weight registers, `rows` broadcasts, 2 FMAs each
+            loop = CountedLoop(builder, kc, "panel", [ir.Constant(vec, [0.0] * LANES)] * (VECTORS * rows))
+            k, acc = loop.index, loop.carried
             fetch, latch = (builder.function.append_basic_block(f"panel.{n}") for n in ("ahead", "latch"))
-
-            builder.position_at_end(loop)  # one input row k: 2 weight registers, `rows` broadcasts, 2 FMAs each
-            k = builder.phi(i64)
-            acc = [builder.phi(vec) for _ in range(VECTORS * rows)]
             w_row = builder.gep(w0, [builder.mul(k, ir.Constant(i64, PANEL))])
             halves = [builder.load(builder.bitcast(builder.gep(w_row, [ir.Constant(i64, LANES * h)]),
                                                    vec.as_pointer()), align=4) for h in range(VECTORS)]
@@ -91,9 +82,8 @@ def _microkernel(rows: int, add: bool, packed: bool = False):
             for r in range(rows):
                 at = (builder.add(builder.mul(k, ir.Constant(i64, rows)), ir.Constant(i64, r)) if packed
                       else builder.add(builder.mul(ir.Constant(i64, r), ldx), k))
-                xr = builder.load(builder.gep(x0, [at]))
-                xv = builder.shuffle_vector(builder.insert_element(undef, xr, ir.Constant(i32, 0)), undef, splat)
-                new += [builder.call(fma, [xv, halves[h], acc[VECTORS * r + h]]) for h in range(VECTORS)]
+                xv = splat(builder, builder.load(builder.gep(x0, [at])), LANES)
+                new += [builder.call(fma_v, [xv, halves[h], acc[VECTORS * r + h]]) for h in range(VECTORS)]
             builder.cbranch(builder.icmp_signed("<", k, ahead_rows), fetch, latch)
             builder.position_at_end(fetch)
             row = builder.add(ahead, builder.mul(k, ir.Constant(i64, PANEL * 4)))
@@ -101,21 +91,7 @@ def _microkernel(rows: int, add: bool, packed: bool = False):
                 prefetch.emit(builder, builder.add(row, ir.Constant(i64, line)))
             builder.branch(latch)
             builder.position_at_end(latch)
-            k_next, tail = builder.add(k, ir.Constant(i64, 1)), builder.block
-            k.add_incoming(ir.Constant(i64, 0), entry)
-            k.add_incoming(k_next, tail)
-            for a, n in zip(acc, new, strict=True):
-                a.add_incoming(zero, entry)
-                a.add_incoming(n, tail)
-            builder.cbranch(builder.icmp_signed("<", k_next, kc), loop, done)
-
-            builder.position_at_end(done)
-            sums = []
-            for n in new:
-                s = builder.phi(vec)
-                s.add_incoming(zero, entry)
-                s.add_incoming(n, tail)
-                sums.append(s)
+            sums = loop.close(new)
             for r in range(rows):
                 for h in range(VECTORS):
                     at = builder.add(builder.mul(ir.Constant(i64, r), ldo), ir.Constant(i64, LANES * h))
