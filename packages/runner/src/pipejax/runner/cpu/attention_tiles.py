@@ -6,8 +6,8 @@ Here each tile's sums stay in registers:
 - ``scores_tile``: one query head against ``LANES`` slots of one KV head, a vector register per slot over the head
   dimension, the registers summed across at the end in one transposing tree (``LANES - 1`` shuffle pairs for
   ``LANES`` scores, not a horizontal sum each);
-- ``values_tiles``: one query head's weighted values over a run of slots, ``chunks`` registers of the head
-  dimension accumulating in place, loaded and stored once per run.
+- ``values_8`` (``_4``, ``_2``, ``_1``): one query head's weighted values over a run of slots, 8 (4, 2, 1)
+  registers of the head dimension accumulating in place, loaded and stored once per run.
 
 Both read addresses (int64) and strides in bytes; the head dimension is taken in whole vectors (``LANES`` floats),
 and the caller does what remains of it. The kernel alone, 12 layers x 64 rows x 129 slots on 2 threads

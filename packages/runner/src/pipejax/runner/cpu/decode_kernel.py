@@ -35,8 +35,8 @@ _MAX_WORKERS = 64  # tasks at most a parallel call spreads (each with its scratc
 
 @numba.njit(inline="always")
 def _values(p_addr, v_addr, stride, slots, out_addr, chunks):
-    """``values_tiles`` over ``chunks`` vectors of the head dimension: the widest tile while it fits, then each
-    narrower one at most once."""
+    """The values tiles (``attention_tiles.values_8``, ...) over ``chunks`` vectors of the head dimension: the widest
+    while it fits, then each narrower one at most once."""
     c, step = 0, LANES * 4
     while chunks - c >= 8:
         values_8(p_addr, v_addr + c * step, stride, slots, out_addr + c * step)
