@@ -11,10 +11,10 @@ Here each tile's sums stay in registers:
 
 Both read addresses (int64) and strides in bytes; the head dimension is taken in whole vectors (``LANES`` floats),
 and the caller does what remains of it. The kernel alone, 12 layers x 64 rows x 129 slots on 2 threads
-(``benchmarks/probes/decode_attention_kernel.py``, old and new alternated three times; AMD EPYC Zen 2 with AVX2 only,
-2026-12-07): each layer's cache from the caches 6.6-6.8 ms against 8.4-8.7 with numba's loops, from memory
-10.2-11.2 against 12.6-13.3 (with the prefetches spread over the tiles, ``decode_kernel``). Not measured with
-AVX-512, where the tiles are 16 slots and 16-lane vectors.
+(``benchmarks/probes/decode_attention_kernel.py``, before and after alternated twice; AMD EPYC Zen 2 with AVX2 only,
+2026-12-07): each layer's cache from memory 10.26 and 10.14 ms against 12.80 and 12.37 with numba's loops, from the
+caches 6.94 and 6.73 against 8.16 and 8.27 (with the prefetches spread over the tiles, ``decode_kernel``). Not
+measured with AVX-512, where the tiles are 16 slots and 16-lane vectors.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def _vector_at(builder, base, index, vec):
     return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
 
 
-def _sum_across(builder, sums: list, i32) -> ir.Value:
+def _sum_across(builder, sums: list) -> ir.Value:
     """One vector whose lane s is the sum of the lanes of ``sums[s]``: pairs of vectors folded in halves, level by
     level, so that after each level a vector holds twice the sources, each in half the lanes (in order)."""
-    width = LANES  # lanes each source takes in a vector
+    i32, width = ir.IntType(32), LANES  # width: lanes each source takes in a vector
     while width > 1:
         half, sources = width // 2, LANES // width
         low = [s * width + i for s in range(sources) for i in range(half)]
@@ -75,7 +75,7 @@ def scores_tile(typingctx, q, k, stride, chunks, n, out):
         qv = builder.load(_vector_at(builder, q0, at, vec), align=4)
         sums = loop.close([builder.call(fma_v, [qv, builder.load(_vector_at(builder, key, at, vec), align=4), a])
                            for key, a in zip(keys, loop.carried, strict=True)])
-        total = _sum_across(builder, sums, ir.IntType(32))
+        total = _sum_across(builder, sums)
         builder.store(total, builder.inttoptr(out_addr, vec.as_pointer()), align=4)
         return context.get_dummy_value()
 
