@@ -33,11 +33,14 @@ def test_generate_shows_text_placement_and_speed():
     assert "stage 1: layers 2-3 on cpu:2, cpu:3" in out
     assert out.count("output: ") == 2 and "prompt: 'Hello, pipejax!'" in out
     assert "12 tokens in" in out and "tokens/s" in out
-    # one line says where the start-up went; the warm-up compiled every step shape on each stage (one process)
+    # the warm-up compiled the run's own step shapes (each prompt's prefill in a batch of its own, the two
+    # stages each with one in flight, then their decode steps), and the run compiled none
+    assert "compiled during the run" not in out, out
+    # one line says where the start-up went
     startup = [line for line in out.splitlines() if line.startswith("start-up ")]
     assert len(startup) == 1 and ", weights " in startup[0] and ", warm-up " in startup[0], out
     programs = int(startup[0].split(" XLA programs")[0].rsplit(" ", 1)[1])
-    assert programs >= 2 * 4, startup  # 2 stages x (2 decode + 2 prefill buckets), the sampler's on top
+    assert programs >= 2 * 3, startup  # 2 stages x (2 prefill shapes + 1 decode), the sampler's on top
     # one line says how the KV cache was sized: generate bounds max_model_len to what its prompts need
     kv = [line for line in out.splitlines() if "KV cache" in line]
     assert len(kv) == 1 and kv[0].startswith("KV cache: 5 blocks x 16 tokens (80 tokens), "), out
@@ -69,6 +72,33 @@ def test_generate_sizes_its_run_by_its_prompts():
     short = generate_limits(config, [{"prompt_token_ids": [1] * 3}], 8, False, False).scheduler
     assert short.max_num_batched_tokens == 16
     assert generate_limits(config, ["no tokenizer"], 8, False, False).scheduler.max_model_len is None
+
+
+def test_generate_warms_up_the_shapes_of_its_own_run():
+    """generate's warm-up: each in-flight batch's prompts prefilled in one step, then its decode steps at every
+    context bucket the run reaches; the engine's warm-up of every bucket where a prompt's length is unknown."""
+    from pipejax.ray_executor.cli import generate_limits, generate_warmup_batches
+    from pipejax.ray_executor.config import EngineConfig, ModelSource
+    from pipejax.runner.inputs import Buckets
+
+    prompts = [{"prompt_token_ids": [1] * n} for n in (5, 40, 7)]
+    config = generate_limits(EngineConfig(ModelSource("m")), prompts, 30, False, False)  # max_model_len 128
+    limits = config.scheduler
+    buckets = Buckets.make(limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, 16)
+
+    def shapes(depth: int) -> list[tuple]:
+        batches = generate_warmup_batches(prompts, 30, config, depth)
+        return [tuple(buckets.shape_of(b, 16))[:5] for b in batches]  # (T, P, Q, Rd, B)
+
+    assert buckets.rows == (1, 2, 3) and buckets.blocks == (4, 6, 8)
+    # one batch in flight: all three prompts in one step of 52 tokens (padded to 64, its rows to 3), then 3
+    # decode rows whose longest context grows from 41 to 69 tokens: 4 blocks, then 6
+    assert shapes(1) == [(64, 3, 64, 0, 4), (3, 0, 1, 3, 4), (3, 0, 1, 3, 6)]
+    # two in flight (pp=2): the first two prompts (45 tokens), decoded in 2 rows; the third alone (7 tokens,
+    # its query padded to 8), decoded in 1 row within 4 blocks
+    assert shapes(2) == [(64, 3, 64, 0, 4), (2, 0, 1, 2, 4), (2, 0, 1, 2, 6), (16, 3, 8, 0, 4), (1, 0, 1, 1, 4)]
+    assert generate_warmup_batches(["no tokenizer"], 30, config, 1) is None
+    assert generate_warmup_batches(prompts * 30, 30, config, 1) is None  # more tokens than one step takes
 
 
 def test_bench_throughput_compares_with_transformers_at_the_same_batch():

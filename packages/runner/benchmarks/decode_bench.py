@@ -3,6 +3,9 @@ next to this machine's floor.
 
 floor = max(FLOPs / measured matmul rate, weight bytes / measured resident read bandwidth)
 
+On a host whose rates drift (a shared VM), ``--rounds N`` measures the floor and the steps again N times, each
+round's floor next to its own steps, and sums up each batch's step / floor as the median [min-max] of the rounds.
+
 Also the peak RSS of loading one stage of a pp=2 split against loading the whole model, each in
 a fresh process. Run: python packages/runner/benchmarks/decode_bench.py [--batches 1 16 64] [--model PATH]
 (a Mixture-of-Experts checkpoint's floor counts every expert: the runner's dense formulation of its experts).
@@ -55,16 +58,32 @@ def decode_times(
 ) -> tuple[dict[int, tuple[float, float, float]], int]:
     """(median, min, max) seconds of a decode step at each batch (``DecodeSteps``), the runner built with these
     switches; and the bytes of the weights a step reads (all it holds, but an embedding only looked up)."""
+    steps = decode_steps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls, quantization)
+    return step_times(steps, batches, repeats), held_weight_bytes(steps)
+
+
+def decode_steps(path: str, batches: list[int], decode_attention: str, decode_layers: str, few_row_dots: str,
+                 dense_matmuls: str, quantization: str | None) -> DecodeSteps:
+    """``DecodeSteps`` built and compiled, its switches and first steps printed."""
     steps = DecodeSteps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls, quantization)
     print(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in steps.switches().items()))
     for b, seconds in steps.first_step_s.items():
         print(f"batch {b}: first step (its compile included) {seconds:.2f} s")
+    return steps
+
+
+def step_times(steps: DecodeSteps, batches: list[int], repeats: int) -> dict[int, tuple[float, float, float]]:
+    """(median, min, max) seconds of ``repeats`` steps at each batch."""
     out = {}
     for b in batches:
         times = steps.seconds(b, repeats)
         out[b] = (statistics.median(times), min(times), max(times))
+    return out
+
+
+def held_weight_bytes(steps: DecodeSteps) -> int:
     params, tied = steps.bench.runner.params, steps.bench.cfg.tie_word_embeddings
-    return out, sum(w.nbytes for name, w in params.items() if tied or name != "embed")
+    return sum(w.nbytes for name, w in params.items() if tied or name != "embed")
 
 
 # The probe's own peak RSS is VmHWM of /proc/self/status (the high-water mark of its address space,
@@ -123,6 +142,9 @@ def main() -> None:
     parser.add_argument("--dense-matmuls", choices=("auto", "xla", "cpu-kernel"), default="auto",
                         help="XLA's dot over [in, out] weights, or the CPU dense kernel over weights in panels "
                         "(auto: the kernel on CPU in float32)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the floor and the steps again this many times, each round's floor against its "
+                        "own steps (hosts whose rates drift)")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS probes")
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: the built-in bench model)")
     parser.add_argument("--quantization", choices=("gguf", "int8", "int4"), default=None,
@@ -134,31 +156,41 @@ def main() -> None:
 
     path = args.model or str(ensure_builtin_model("bench", cache_dir_from_env(os.environ)))
     cfg = ModelConfig.from_pretrained(path, quantization=args.quantization)
-    rates = machine_rates(references=False)
-    flops_rate, bandwidth = rates["flops"], rates["bandwidth"]
-    print(
-        f"machine: matmul {flops_rate / 1e9:.1f} GFLOP/s (2048^3 fp32), memory {bandwidth / 1e9:.2f} GB/s "
-        f"read (a reduction over a resident 1 GiB array), {os.cpu_count()} CPUs"
-    )
-    results = {"matmul_gflops": flops_rate / 1e9, "memory_gbps": bandwidth / 1e9, "decode": {}}
+    steps = decode_steps(path, args.batches, args.decode_attention, args.decode_layers, args.few_row_dots,
+                         args.dense_matmuls, args.quantization)
+    held_bytes = held_weight_bytes(steps)
+    results = {"weight_bytes_read": held_bytes, "rounds": []}
     name = args.model or "benchmark model"
     held = f"weights {args.quantization}" if args.quantization else "fp32"
-    print(f"\ndecode step, {name} ({held}, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
-    print("| batch | step ms | floor ms | step / floor | bound by |")
-    print("|---:|---:|---:|---:|---|")
-    times, held_bytes = decode_times(path, args.batches, args.repeats, args.decode_attention, args.decode_layers,
-                                     args.few_row_dots, args.dense_matmuls, args.quantization)
-    results["weight_bytes_read"] = held_bytes
-    for b, (med, lo, hi) in times.items():
-        flops, weight_bytes = step_cost(cfg, b)
-        if args.quantization:  # the bytes held (packed)
-            weight_bytes = held_bytes
-        compute, memory = flops / flops_rate, weight_bytes / bandwidth
-        floor = max(compute, memory)
-        bound = "compute" if compute >= memory else "memory"
-        step = f"{med * 1e3:.1f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}]"
-        print(f"| {b} | {step} | {floor * 1e3:.1f} | {med / floor:.2f}x | {bound} |")
-        results["decode"][b] = {"ms": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "floor_ms": floor * 1e3}
+    for round_ in range(args.rounds):
+        rates = machine_rates(references=False)
+        flops_rate, bandwidth = rates["flops"], rates["bandwidth"]
+        print(
+            f"\n{f'round {round_ + 1}: ' if args.rounds > 1 else ''}machine: matmul {flops_rate / 1e9:.1f} GFLOP/s "
+            f"(2048^3 fp32), memory {bandwidth / 1e9:.2f} GB/s read (a reduction over a resident 1 GiB array), "
+            f"{os.cpu_count()} CPUs"
+        )
+        figures = {"matmul_gflops": flops_rate / 1e9, "memory_gbps": bandwidth / 1e9, "decode": {}}
+        print(f"decode step, {name} ({held}, pp1 tp1, context {CONTEXT}), median of {args.repeats} [min-max]")
+        print("| batch | step ms | floor ms | step / floor | bound by |")
+        print("|---:|---:|---:|---:|---|")
+        for b, (med, lo, hi) in step_times(steps, args.batches, args.repeats).items():
+            flops, weight_bytes = step_cost(cfg, b)
+            if args.quantization:  # the bytes held (packed)
+                weight_bytes = held_bytes
+            compute, memory = flops / flops_rate, weight_bytes / bandwidth
+            floor = max(compute, memory)
+            bound = "compute" if compute >= memory else "memory"
+            print(f"| {b} | {med * 1e3:.1f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}] | {floor * 1e3:.1f} | {med / floor:.2f}x "
+                  f"| {bound} |")
+            figures["decode"][b] = {"ms": med * 1e3, "min": lo * 1e3, "max": hi * 1e3, "floor_ms": floor * 1e3}
+        results["rounds"].append(figures)
+    results.update(results["rounds"][0])  # the first round's figures where one round's are read
+    if args.rounds > 1:
+        print(f"\nstep / floor over {args.rounds} rounds, median [min-max]:")
+        for b in args.batches:
+            ratios = [r["decode"][b]["ms"] / r["decode"][b]["floor_ms"] for r in results["rounds"]]
+            print(f"  batch {b}: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
     if not args.no_rss:
         whole = load_rss(path, 0, 1, args.quantization)
         stages = [load_rss(path, r, 2, args.quantization) for r in range(2)]

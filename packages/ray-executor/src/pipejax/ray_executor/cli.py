@@ -301,6 +301,44 @@ def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: 
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
 
 
+def generate_warmup_batches(prompts: list, max_tokens: int, config, depth: int) -> list | None:
+    """Dummy batches of the step shapes this run takes, for its warm-up to compile those and no others. The
+    engine splits its requests into ``depth`` batches in flight (one per pipeline stage), in arrival order; each
+    batch's prompts are prefilled in one step, then decoded one token a step, through each context bucket the
+    run reaches. None (the engine's warm-up of every bucket) where a prompt's length is unknown (no tokenizer),
+    a batch's prompts do not fit one step, or max_model_len is the model's (the stage sizes the buckets then)."""
+    from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
+    from pipejax.runner.inputs import Buckets
+    from pipejax.worker.worker import WARMUP_STEP_BASE
+
+    limits, block_size = config.scheduler, config.cache.block_size
+    lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
+    per_batch = max(1, math.ceil(len(lengths) / depth))
+    groups = [lengths[i:i + per_batch] for i in range(0, len(lengths), per_batch)]
+    if (len(lengths) != len(prompts) or limits.max_model_len is None or per_batch > limits.max_num_seqs
+            or max(map(sum, groups), default=0) > limits.max_num_batched_tokens):
+        return None
+    buckets = Buckets.make(limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, block_size)
+    greedy = SamplingParams(temperature=0)
+    batches: list[ModelBatch] = []
+    shapes = set()
+
+    def add(requests: list[tuple[int, int, int]]) -> None:
+        """A batch of (tokens, start position, positions its table covers) per request, where its shape is new."""
+        step = ModelBatch(WARMUP_STEP_BASE + len(batches), tuple(
+            ScheduledRequest(f"w{i}", (1,) * n, start, (0,) * math.ceil(end / block_size), greedy)  # padding block
+            for i, (n, start, end) in enumerate(requests)))
+        if (shape := buckets.shape_of(step, block_size)) not in shapes:
+            shapes.add(shape)
+            batches.append(step)
+
+    for group in groups:
+        add([(n, 0, n) for n in group])
+        for k in range(min(max_tokens - 1, limits.max_model_len - max(group))):  # decode step k: one token further
+            add([(1, n + k, n + k + 1) for n in group])
+    return batches
+
+
 def _kernel_build_default(args: argparse.Namespace, value: str) -> None:
     """``value`` for ``--cpu-kernel-build`` where neither the flag nor its environment variable gave one."""
     if getattr(args, "cpu_kernel_build", None) is None and not os.environ.get(env_keywords()["cpu_kernel_build"]):
@@ -317,7 +355,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _generate_prompts(args, config.model.path)
     config = generate_limits(config, prompts, args.max_tokens, args.max_num_seqs is not None,
                              args.max_model_len is not None, args.max_num_batched_tokens is not None)
-    llm = LLM.from_config(config)
+    llm = LLM.from_config(config, warmup=False)
+    executor = llm.engine.executor
+    executor.warmup(batches=generate_warmup_batches(prompts, args.max_tokens, config, executor.max_concurrent_batches))
     print(llm.engine.executor.kv_cache.describe())
     ready = time.perf_counter()
     startup = llm.engine.executor.startup_report()
@@ -325,8 +365,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=config.model.seed,
     )
+    warmed = llm.engine.executor.collective_rpc("num_compiled_shapes")
     outputs = llm.generate(prompts, params)
     done = time.perf_counter()
+    grown = max(b - a for a, b in zip(warmed, llm.engine.executor.collective_rpc("num_compiled_shapes"), strict=True))
     print(f"model: {llm.engine.config.model.path}")
     for info in llm.engine.executor.stage_infos():
         layers = f"layers {info.layers[0]}-{info.layers[1] - 1}"
@@ -334,7 +376,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for out in outputs:
         print(f"\nprompt: {out.prompt!r}\noutput: {out.outputs[0].text!r}  ({out.outputs[0].finish_reason})")
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{tokens} tokens in {done - ready:.2f}s = {tokens / (done - ready):.1f} tokens/s")
+    print(f"\n{tokens} tokens in {done - ready:.2f}s = {tokens / (done - ready):.1f} tokens/s"
+          + (f" ({grown} step shapes compiled during the run, not at warm-up)" if grown else ""))
     print(startup.describe(ready - start))
     llm.shutdown()
     return 0

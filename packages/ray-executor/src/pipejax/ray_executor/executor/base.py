@@ -63,10 +63,10 @@ class Executor(abc.ABC):
         steps already submitted; the results by pp rank. ``timeout`` (default: the config's step timeout)
         bounds the wait; a stage's exception is raised here (the lowest rank's first)."""
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the common padding buckets now (``warmup_batches``, one shape at a time on every stage); the
-        progress bar shows only when that takes more than a few seconds."""
-        for batch in tqdm(self.warmup_batches(), desc="compiling step shapes", unit="shape", delay=3,
+    def warmup(self, progress: bool = True, batches: list[ModelBatch] | None = None) -> None:
+        """Compile the common padding buckets now (``warmup_batches``), or the shapes of ``batches`` where given,
+        one shape at a time on every stage; the progress bar shows only when that takes more than a few seconds."""
+        for batch in tqdm(self.warmup_batches() if batches is None else batches, desc="compiling step shapes", unit="shape", delay=3,
                           leave=False, disable=not progress):
             self.warmup_one(batch)
 
