@@ -318,13 +318,16 @@ def paged_attention(
         rows = slice(P, P + shape.decode_rows)
         query_start, start_pos, tables = inp.row_query_start[rows], inp.row_start_pos[rows], inp.block_tables[rows]
         if kernels.decode_attention is not None:  # the whole cache goes in: a layer slice would be a copy
-            out = kernels.decode_attention(q[query_start], k_cache, v_cache, layer, tables, start_pos, sliding_window)
+            # a decode-only step's rows are its tokens in order (``build_step_inputs``; a padding row reads its own
+            # padding token, not token 0): no gather, which XLA:CPU runs as a slow scalar loop fused with the rope
+            q_rows = q[query_start] if P else q
+            out = kernels.decode_attention(q_rows, k_cache, v_cache, layer, tables, start_pos, sliding_window)
             parts.append(out.astype(q.dtype))
         else:
             parts.append(decode_attention(q, k_cache[layer], v_cache[layer], query_start, start_pos, tables,
                                           sliding_window))
     out = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return out[inp.token_out]
+    return out[inp.token_out] if P else out  # decode only: the rows are the tokens (padding tokens' rows their own)
 
 
 class LayerContext(NamedTuple):

@@ -106,8 +106,9 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
                             if line == per_slot * LINE:
                                 at, line = at + slot_bytes, 0
                     if c0 + LANES > lo and c0 < hi:
+                        # slots past the row's last repeat it (their lanes are ignored): a block's tail is not read
                         scores_tile(qs_addr + h * head_bytes, key + (c0 - first) * slot_bytes, slot_bytes, chunks,
-                                    min(LANES, end - c0), scores_addr + (h * width + c0) * 4)
+                                    min(LANES, hi - c0), scores_addr + (h * width + c0) * 4)
                 for d in range(chunks * LANES, D):  # the head dimension past whole vectors
                     for c in range(c_lo, c_hi):
                         scores[h, c] += qs[h, d] * float32s(key + (c - first) * slot_bytes, D)[d]
