@@ -66,8 +66,9 @@ class Executor(abc.ABC):
     def warmup(self, progress: bool = True, batches: list[ModelBatch] | None = None) -> None:
         """Compile the common padding buckets now (``warmup_batches``), or the shapes of ``batches`` where given,
         one shape at a time on every stage; the progress bar shows only when that takes more than a few seconds."""
-        for batch in tqdm(self.warmup_batches() if batches is None else batches, desc="compiling step shapes", unit="shape", delay=3,
-                          leave=False, disable=not progress):
+        batches = self.warmup_batches() if batches is None else batches
+        for batch in tqdm(batches, desc="compiling step shapes", unit="shape", delay=3, leave=False,
+                          disable=not progress):
             self.warmup_one(batch)
 
     def warmup_batches(self) -> list[ModelBatch]:
