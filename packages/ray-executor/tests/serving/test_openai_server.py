@@ -372,21 +372,24 @@ def test_an_engine_killed_moves_its_requests_and_is_rebuilt(server):
     victim = health(server)[1]["engines"][1]
     prompts = [f"long {i}" for i in range(8)]
 
-    async def run(kill: bool):
+    async def run(kill_after: float | None):
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
         tasks = [asyncio.create_task(client.completions.create(
             model="builtin", prompt=p, max_tokens=200, temperature=0, extra_body={"ignore_eos": True},
             extra_headers={"X-data-parallel-rank": str(i % 2)}))  # pinned, half on each: they move all the same
             for i, p in enumerate(prompts)]
-        if kill:
-            await asyncio.sleep(1.5)
+        if kill_after is not None:
+            await asyncio.sleep(kill_after)
             os.kill(victim["pid"], signal.SIGKILL)  # the engine-core actor process this test's server started
         results = await asyncio.gather(*tasks, return_exceptions=True)
         return [r if isinstance(r, Exception) else r.choices[0].text for r in results]
 
-    clean = asyncio.run(run(kill=False))
     start = time.monotonic()
-    moved = asyncio.run(run(kill=True))
+    clean = asyncio.run(run(None))
+    # the kill a third of the way through the same requests' run (a fixed 1.5 s came after the end on a fast host)
+    kill_after = min(1.5, (time.monotonic() - start) / 3)
+    start = time.monotonic()
+    moved = asyncio.run(run(kill_after))
     elapsed = time.monotonic() - start
     assert moved == clean, [m for m in moved if isinstance(m, Exception)]
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
