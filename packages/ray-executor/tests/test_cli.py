@@ -97,6 +97,13 @@ def test_generate_warms_up_the_shapes_of_its_own_run():
     # two in flight (pp=2): the first two prompts (45 tokens), decoded in 2 rows; the third alone (7 tokens,
     # its query padded to 8), decoded in 1 row within 4 blocks
     assert shapes(2) == [(64, 3, 64, 0, 4), (2, 0, 1, 2, 4), (2, 0, 1, 2, 6), (16, 3, 8, 0, 4), (1, 0, 1, 1, 4)]
+    # a long run: the decode contexts of its first 128 tokens (at most 40 + 128 positions: up to 12 blocks) are
+    # warmed up, not every bucket up to max_model_len 2048's 128 blocks (a run may stop at its first end-of-text)
+    long = generate_limits(EngineConfig(ModelSource("m")), prompts, 2000, False, False)
+    assert long.scheduler.max_model_len == 2048
+    wide = Buckets.make(64, 3, 2048, 16)
+    assert [tuple(wide.shape_of(b, 16))[3:5] for b in generate_warmup_batches(prompts, 2000, long, 1)] == [
+        (0, 4), (3, 4), (3, 6), (3, 8), (3, 12)]  # (decode rows, blocks): the prefill, then 4 decode contexts
     assert generate_warmup_batches(["no tokenizer"], 30, config, 1) is None
     assert generate_warmup_batches(prompts * 30, 30, config, 1) is None  # more tokens than one step takes
 

@@ -301,12 +301,17 @@ def generate_limits(config, prompts: list, max_tokens: int, given_max_num_seqs: 
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, **limits))
 
 
+WARMED_DECODE_TOKENS = 128  # generate warms up the decode contexts of its first tokens only: a run may stop early
+
+
 def generate_warmup_batches(prompts: list, max_tokens: int, config, depth: int) -> list | None:
     """Dummy batches of the step shapes this run takes, for its warm-up to compile those and no others. The
     engine splits its requests into ``depth`` batches in flight (one per pipeline stage), in arrival order; each
-    batch's prompts are prefilled in one step, then decoded one token a step, through each context bucket the
-    run reaches. None (the engine's warm-up of every bucket) where a prompt's length is unknown (no tokenizer),
-    a batch's prompts do not fit one step, or max_model_len is the model's (the stage sizes the buckets then)."""
+    batch's prompts are prefilled in one step, then decoded one token a step, through each context bucket its
+    first ``WARMED_DECODE_TOKENS`` tokens reach (a longer run compiles the later ones when it gets there, as it
+    would stop early at an end-of-text). None (the engine's warm-up of every bucket) where a prompt's length is
+    unknown (no tokenizer), a batch's prompts do not fit one step, or max_model_len is the model's (the stage sizes
+    the buckets then)."""
     from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
     from pipejax.runner.inputs import Buckets
     from pipejax.worker.worker import WARMUP_STEP_BASE
@@ -334,7 +339,7 @@ def generate_warmup_batches(prompts: list, max_tokens: int, config, depth: int) 
 
     for group in groups:
         add([(n, 0, n) for n in group])
-        for k in range(min(max_tokens - 1, limits.max_model_len - max(group))):  # decode step k: one token further
+        for k in range(min(max_tokens - 1, WARMED_DECODE_TOKENS, limits.max_model_len - max(group))):  # decode step k
             add([(1, n + k, n + k + 1) for n in group])
     return batches
 
