@@ -52,16 +52,6 @@ class DecodeSteps:
                 "dense_matmuls": r.dense_matmuls, "few_row_dots": r.few_row_dots}
 
 
-def decode_times(
-    path: str, batches: list[int], repeats: int, decode_attention: str = "auto", decode_layers: str = "auto",
-    few_row_dots: str = "auto", dense_matmuls: str = "auto", quantization: str | None = None,
-) -> tuple[dict[int, tuple[float, float, float]], int]:
-    """(median, min, max) seconds of a decode step at each batch (``DecodeSteps``), the runner built with these
-    switches; and the bytes of the weights a step reads (all it holds, but an embedding only looked up)."""
-    steps = decode_steps(path, batches, decode_attention, decode_layers, few_row_dots, dense_matmuls, quantization)
-    return step_times(steps, batches, repeats), held_weight_bytes(steps)
-
-
 def decode_steps(path: str, batches: list[int], decode_attention: str, decode_layers: str, few_row_dots: str,
                  dense_matmuls: str, quantization: str | None) -> DecodeSteps:
     """``DecodeSteps`` built and compiled, its switches and first steps printed."""

@@ -312,35 +312,28 @@ def generate_warmup_batches(prompts: list, max_tokens: int, config, depth: int) 
     would stop early at an end-of-text). None (the engine's warm-up of every bucket) where a prompt's length is
     unknown (no tokenizer), a batch's prompts do not fit one step, or max_model_len is the model's (the stage sizes
     the buckets then)."""
-    from pipejax.runner.batch import ModelBatch, SamplingParams, ScheduledRequest
+    from pipejax.ray_executor.engine.engine import requests_per_batch
     from pipejax.runner.inputs import Buckets
-    from pipejax.worker.worker import WARMUP_STEP_BASE
+    from pipejax.worker.worker import warmup_batch
 
     limits, block_size = config.scheduler, config.cache.block_size
     lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
-    per_batch = max(1, math.ceil(len(lengths) / depth))
+    per_batch = requests_per_batch(len(lengths), depth)
     groups = [lengths[i:i + per_batch] for i in range(0, len(lengths), per_batch)]
     if (len(lengths) != len(prompts) or limits.max_model_len is None or per_batch > limits.max_num_seqs
             or max(map(sum, groups), default=0) > limits.max_num_batched_tokens):
         return None
     buckets = Buckets.make(limits.max_num_batched_tokens, limits.max_num_seqs, limits.max_model_len, block_size)
-    greedy = SamplingParams(temperature=0)
-    batches: list[ModelBatch] = []
-    shapes = set()
-
-    def add(requests: list[tuple[int, int, int]]) -> None:
-        """A batch of (tokens, start position, positions its table covers) per request, where its shape is new."""
-        step = ModelBatch(WARMUP_STEP_BASE + len(batches), tuple(
-            ScheduledRequest(f"w{i}", (1,) * n, start, (0,) * math.ceil(end / block_size), greedy)  # padding block
-            for i, (n, start, end) in enumerate(requests)))
-        if (shape := buckets.shape_of(step, block_size)) not in shapes:
-            shapes.add(shape)
-            batches.append(step)
-
+    batches, shapes = [], set()
     for group in groups:
-        add([(n, 0, n) for n in group])
-        for k in range(min(max_tokens - 1, WARMED_DECODE_TOKENS, limits.max_model_len - max(group))):  # decode step k
-            add([(1, n + k, n + k + 1) for n in group])
+        steps = [[(n, 0, n) for n in group]]  # its prompts prefilled, then decode steps one token further each
+        steps += [[(1, n + k, n + k + 1) for n in group]
+                  for k in range(min(max_tokens - 1, WARMED_DECODE_TOKENS, limits.max_model_len - max(group)))]
+        for requests in steps:
+            step = warmup_batch(len(batches), requests, block_size)
+            if (shape := buckets.shape_of(step, block_size)) not in shapes:  # one batch per new shape
+                shapes.add(shape)
+                batches.append(step)
     return batches
 
 

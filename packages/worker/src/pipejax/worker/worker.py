@@ -34,8 +34,17 @@ from pipejax.worker.kv_sizing import KVCachePlan, plan_kv_cache
 log = logging.getLogger(__name__)
 
 WARMUP_STEP_BASE = 1 << 60  # warm-up step ids live far above the engine's (which count from 0)
+
 CACHE_DIR_ENV = "PIPEJAX_COMPILATION_CACHE_DIR"  # read at the edges (compilation_cache_dir_from_env)
 MIN_CACHED_COMPILE_S = 0.2  # compiles faster than this are not worth a file
+
+
+def warmup_batch(index: int, requests: Sequence[tuple[int, int, int]], block_size: int) -> ModelBatch:
+    """Warm-up batch ``index``: per request (tokens, start position, positions its block table covers), every
+    token 1, every block the reserved padding block 0 (warm-up writes nothing that matters), sampled greedily."""
+    return ModelBatch(WARMUP_STEP_BASE + index, tuple(
+        ScheduledRequest(f"w{i}", (1,) * n, start, (0,) * math.ceil(end / block_size), SamplingParams(temperature=0))
+        for i, (n, start, end) in enumerate(requests)))
 
 
 def default_compilation_cache_dir() -> str:
@@ -191,18 +200,10 @@ class StageWorker:
         """Dummy batches covering the common buckets: decode at every row bucket, prefill at every token bucket."""
         runner = self._require_runner()
         buckets, bs = runner.buckets, runner.block_size
-        out: list[ModelBatch] = []
-        table = (0,)  # the reserved padding block: warm-up writes nothing that matters
-        for rows in buckets.rows:
-            reqs = tuple(
-                ScheduledRequest(f"w{i}", (1,), 0, table, SamplingParams(temperature=0)) for i in range(rows)
-            )
-            out.append(ModelBatch(WARMUP_STEP_BASE + len(out), reqs))
+        out = [warmup_batch(i, [(1, 0, 1)] * rows, bs) for i, rows in enumerate(buckets.rows)]
         for tokens in buckets.tokens:
             n = min(tokens, runner.max_model_len)
-            blocks = (0,) * math.ceil(n / bs)
-            req = ScheduledRequest("w", (1,) * n, 0, blocks, SamplingParams(temperature=0))
-            out.append(ModelBatch(WARMUP_STEP_BASE + len(out), (req,)))
+            out.append(warmup_batch(len(out), [(n, 0, n)], bs))
         return out[:max_shapes]
 
     def warmup(self, batches: Sequence[ModelBatch], progress: bool = True) -> float:

@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 HEALTH_CHECK_AFTER_S = 3.0  # a step pending this long makes the engine ask the executor whether stages are alive
 
 
+
+def requests_per_batch(active: int, depth: int) -> int:
+    """At most how many of ``active`` requests a step takes with ``depth`` batches in flight: the active requests
+    split into ``depth`` batches (arrival order), so that every pipeline stage has one to work on."""
+    return max(1, math.ceil(active / depth))
+
 @dataclasses.dataclass
 class RecoveryStats:
     """What healing cost so far (serving's /metrics): recoveries done, requests moved back to the queue to be
@@ -206,8 +212,7 @@ class LLMEngine:
         batch = None
         depth = self.executor.max_concurrent_batches
         if len(self._in_flight) < depth:
-            # Split the active requests into `depth` batches so that every stage has one to work on.
-            batch = self.scheduler.schedule(max_seqs=max(1, math.ceil(self.scheduler.num_active() / depth)))
+            batch = self.scheduler.schedule(max_seqs=requests_per_batch(self.scheduler.num_active(), depth))
             if batch is not None:
                 batch = self._with_bitmasks(batch)
                 self._in_flight.append((batch, self.executor.execute_model(batch)))
