@@ -129,6 +129,33 @@ def test_residual_added_in_place(rows):
         cpu_dense.matmul(x.reshape(rows, -1), stack.reshape(2, 3, 64, PANEL), 0, True, residual)
 
 
+@pytest.mark.parametrize("rows,kc", [(1, 40), (13, 40), (64, 768), (520, 512)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_x_rms_normed_as_the_kernel_reads_it(rows, kc, gated):
+    """``model.project`` with a norm: the kernel norms x itself (``NORMED``; 520 x 512 past
+    ``NORM_PARALLEL_FLOATS``, over numba's threads where the handler is parallel), XLA's formulation norms it first;
+    both match numpy's norm and matmul, plain and gated (a layer's qkv and gate_up)."""
+    from pipejax.runner.cpu import dense_kernel
+    from pipejax.runner.model import NO_KERNELS, Kernels, project
+
+    assert (rows * kc >= dense_kernel.NORM_PARALLEL_FLOATS) == (rows == 520)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, kc), np.float32) * 3
+    scale = rng.standard_normal(kc, np.float32)
+    w = rng.standard_normal((kc, 2, 64), np.float32)
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * scale
+    y = np.tensordot(normed, w.astype(np.float64), 1)
+    want = y[:, 0] / (1 + np.exp(-y[:, 0])) * y[:, 1] if gated else y
+    panels = Panels(jax.numpy.asarray(_in_panels(w, 1)))
+    for kernels in (Kernels(dense=cpu_dense.matmul), NO_KERNELS):
+        step = jax.jit(lambda x, s, kernels=kernels: project(x, panels, 1, kernels, norm=(s, 1e-5), gated=gated))
+        got = np.asarray(step(x, scale))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"kernels={kernels}")
+    with pytest.raises(ValueError, match="only a dense kernel over weights in panels norms x itself"):
+        dense(x, jax.numpy.asarray(w), 1, None, norm=(scale, 1e-5))
+
+
 AMX = pytest.mark.skipif(not cpu_dense.amx_ready(), reason="no AMX bf16 tiles on this CPU (or not granted)")
 
 

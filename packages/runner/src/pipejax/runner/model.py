@@ -173,7 +173,7 @@ class Kernels(NamedTuple):
     """A backend's substitutes for parts of this file's XLA formulation (None: the formulation here). The CPU
     backend's come from ``pipejax.runner.cpu.select``; every other backend runs this file as it reads."""
 
-    dense: Callable | None = None  # a matmul over weights in panels (see ``dense``)
+    dense: Callable | None = None  # a matmul over weights in panels, RMS-norming x where asked (see ``dense``)
     quantized_dense: Callable | None = None  # a matmul over weights kept quantized in panels (``QuantizedPanels``)
     decode_attention: Callable | None = None  # replaces ``decode_attention`` (see ``paged_attention``)
     prefill_attention: Callable | None = None  # replaces ``prefill_attention`` (see ``paged_attention``)
@@ -183,14 +183,21 @@ class Kernels(NamedTuple):
 NO_KERNELS = Kernels()
 
 
-def project(x: jax.Array, w, contracted: int, kernels: Kernels, **how) -> jax.Array:
-    """``panels.dense`` with the backend's kernel for the way ``w`` is stored (``how``: gated, residual)."""
-    return dense(x, w, contracted, kernels.quantized_dense if isinstance(w, QuantizedPanels) else kernels.dense, **how)
+def project(x: jax.Array, w, contracted: int, kernels: Kernels, norm: tuple[jax.Array, float] | None = None,
+            **how) -> jax.Array:
+    """``panels.dense`` with the backend's kernel for the way ``w`` is stored (``how``: gated, residual), of x
+    RMS-normed with ``norm`` (weight, eps) where given: by the dense kernel as it reads x (``Kernels.dense`` takes
+    ``norm``), else here."""
+    if norm is not None and not (kernels.dense is not None and isinstance(w, Panels)):
+        x, norm = rms_norm(x, *norm), None
+    kernel = kernels.quantized_dense if isinstance(w, QuantizedPanels) else kernels.dense
+    return dense(x, w, contracted, kernel, norm=norm, **how)
 
 
-def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, kernels: Kernels = NO_KERNELS) -> jax.Array:
-    """residual + the MLP of x (both [T, E])."""
-    act = project(x, p["gate_up"], 1, kernels, gated=True)  # swiglu(gate, up) [T, F]
+def mlp(x: jax.Array, p: dict[str, jax.Array], residual: jax.Array, kernels: Kernels = NO_KERNELS,
+        norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+    """residual + the MLP of x (both [T, E]), RMS-normed with ``norm`` (weight, eps) first where given."""
+    act = project(x, p["gate_up"], 1, kernels, norm=norm, gated=True)  # swiglu(gate, up) [T, F]
     return project(act, p["down"], 1, kernels, residual=residual)
 
 
@@ -342,16 +349,17 @@ class LayerContext(NamedTuple):
 
 
 def attention(
-    x: jax.Array,  # [T, E], normed
+    x: jax.Array,  # [T, E], before the layer's input norm
     p: dict[str, jax.Array],
     k_cache: jax.Array,
     v_cache: jax.Array,
     layer: jax.Array,
     ctx: LayerContext,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention of x [T, E] before its output projection ([T, H, D]), and the caches with the step's K/V."""
+    """The attention of x [T, E] (normed by the layer's input norm) before its output projection ([T, H, D]), and the
+    caches with the step's K/V."""
     cfg, inp = ctx.cfg, ctx.inp
-    qkv = project(x, p["qkv"], 1, ctx.kernels)  # [T, K, G + 2, D]
+    qkv = project(x, p["qkv"], 1, ctx.kernels, norm=(p["input_norm"], cfg.rms_norm_eps))  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
     k, v = qkv[:, :, G], qkv[:, :, G + 1]  # [T, K, D]
@@ -368,14 +376,14 @@ def attention(
 
 
 def decoder_layer(x, p, k_cache, v_cache, layer, ctx: LayerContext):
-    eps = ctx.cfg.rms_norm_eps
-    out, k_cache, v_cache = attention(rms_norm(x, p["input_norm"], eps), p, k_cache, v_cache, layer, ctx)
+    out, k_cache, v_cache = attention(x, p, k_cache, v_cache, layer, ctx)
     # x + o(out): (h, d) contracted in the weight's memory order (jnp.einsum orders them (d, h), and XLA then
     # copies o transposed every step; a scan's dynamic slice hides that copy, per-layer views do not).
     x = project(out, p["o"], 2, ctx.kernels, residual=x)
-    normed = rms_norm(x, p["post_norm"], eps)
-    x = moe_mlp(normed, p, ctx.cfg.moe, x, kernels=ctx.kernels) if "router" in p else mlp(normed, p, x, ctx.kernels)
-    return x, k_cache, v_cache
+    norm = (p["post_norm"], ctx.cfg.rms_norm_eps)
+    if "router" in p:
+        return moe_mlp(rms_norm(x, *norm), p, ctx.cfg.moe, x, kernels=ctx.kernels), k_cache, v_cache
+    return mlp(x, p, x, ctx.kernels, norm=norm), k_cache, v_cache
 
 
 # --- the stage -----------------------------------------------------------------------------------
@@ -453,12 +461,11 @@ def stage_forward(
 def lm_head(x: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig, kernels: Kernels = NO_KERNELS) -> jax.Array:
     """Float32 logits [n, V] of final hidden states x [n, E]: the final norm, then the LM head (the tied embedding
     where tied)."""
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
         table = params["embed"]  # [V, E], or as the head's panels [E, V] already
         head = table if isinstance(table, Panels | QuantizedPanels) else (
             dequantize(table, x.dtype) if isinstance(table, Quantized) else table).T  # [E, V]
     else:
         head = params["lm_head"]
-    return project(x, head, 1, kernels).astype(jnp.float32)
+    return project(x, head, 1, kernels, norm=(params["final_norm"], cfg.rms_norm_eps)).astype(jnp.float32)
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from pipejax.runner.cpu import isa
 from pipejax.runner.cpu.build import build_and_register
+from pipejax.runner.model import rms_norm
 from pipejax.runner.panels import Panels, swiglu
 
 KERNEL = "pipejax.runner.cpu.dense_kernel"  # the numba module that builds the handler
@@ -80,13 +81,15 @@ def amx_ready() -> bool:
 PLAIN, GATED, ADD, ROUTED, SPLIT = 0, 1, 2, 3, 4  # SPLIT: a weight's panels -> its AMX tiles (``weight_tiles``)
 AMX = 8  # a flag on PLAIN, GATED or ADD: the call runs on AMX's bf16 tiles at fp32 accuracy (``amx_kernel``)
 TILED = 16  # a flag with AMX: the weight's tiles come split already (``weight_tiles``), an operand after the mode
+NORMED = 32  # a flag on PLAIN, GATED or ADD: x is RMS-normed first; its weight [Kc] and eps follow (after the tiles)
 # the largest weight the AMX path splits into its tiles per call (6 bytes a weight): an LM head stays on the FMA tiles
 AMX_MAX_TILE_BYTES = 64 << 20
 
 
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
            residual: jax.Array | None = None, amx_rows: int | None = None, kept_rows: int | None = None,
-           tiles: jax.Array | None = None, xla_rows: int | None = None) -> jax.Array:
+           tiles: jax.Array | None = None, xla_rows: int | None = None,
+           norm: tuple[jax.Array, float] | None = None) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
@@ -97,12 +100,14 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     ``AMX_MAX_TILE_BYTES`` as tiles), the call runs on AMX's tiles (``for_mesh`` checks that it can), splitting the
     weight into them. ``tiles``: the weight's tiles kept (``weight_tiles``, [L, ...] as ``panels``), which a call
     of ``kept_rows`` rows or more (and fewer than ``amx_rows``) reads instead. ``xla_rows``: a call of that many
-    rows or more is XLA's dot over the panels (where it measured faster than the kernel at a prefill's rows)."""
+    rows or more is XLA's dot over the panels (where it measured faster than the kernel at a prefill's rows).
+    ``norm``: (weight [Kc], eps): x is RMS-normed first (``model.rms_norm``), by the kernel as it reads x."""
     n = panels.shape[1] * panels.shape[3]
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
     if (_handler() is None or x.dtype != jnp.float32 or panels.dtype != jnp.float32
             or (xla_rows is not None and x.shape[0] >= xla_rows)):
+        x = x if norm is None else rms_norm(x, *norm)
         y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
         y = swiglu(y[:, : n // 2], y[:, n // 2:]) if gated else y
         return y if residual is None else residual + y
@@ -110,15 +115,18 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     kc = panels.shape[2]
     m = x.shape[0]
     kept = tiles is not None and kept_rows is not None and m >= kept_rows and (amx_rows is None or m < amx_rows)
-    amx = AMX | TILED if kept else AMX if (amx_rows is not None and m >= amx_rows and kc % 32 == 0
-                                           and n * kc * 6 <= AMX_MAX_TILE_BYTES) else 0
+    flags = AMX | TILED if kept else AMX if (amx_rows is not None and m >= amx_rows and kc % 32 == 0
+                                             and n * kc * 6 <= AMX_MAX_TILE_BYTES) else 0
     given = (tiles,) if kept else ()
+    if norm is not None:
+        flags |= NORMED
+        given += (norm[0].astype(jnp.float32), jnp.float32(norm[1]))
     if residual is not None:
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32),
                                 input_output_aliases={4 + len(given): 0})
-        return call(x, panels, layer, jnp.int32(ADD | amx), *given, residual.astype(jnp.float32))
+        return call(x, panels, layer, jnp.int32(ADD | flags), *given, residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
-    return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | amx), *given)
+    return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | flags), *given)
 
 
 def tiles_shape(panels_shape: tuple[int, ...]) -> tuple[int, ...] | None:

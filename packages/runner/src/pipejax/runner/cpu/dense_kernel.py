@@ -20,8 +20,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from pipejax.runner.cpu import amx_kernel, isa, prefetch
-from pipejax.runner.cpu.dense import ADD, AMX, GATED, ROUTED, SPLIT, TILED
+from pipejax.runner.cpu import amx_kernel, ffi, isa, prefetch
+from pipejax.runner.cpu.dense import ADD, AMX, GATED, NORMED, ROUTED, SPLIT, TILED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, float32s, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.ir_loop import CountedLoop, fma, splat
 from pipejax.runner.cpu.vector_exp import exp_f32
@@ -299,6 +299,48 @@ def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
         _glu_panel(x_addr, kc, w_addr, out_addr, p, panels, m, gate, up, xp)
 
 
+# --- x RMS-normed as a call reads it (``NORMED``): a decoder layer's qkv and gate_up, the LM head ---------------------
+# In XLA the norm's reduction ran as a fusion of its own on XLA's thread pool, handed to and back from numba's threads
+# around every dense call: 60-145 us a norm at a decode step's 64 rows x 768 (a profile of 196 KB of work; AMD EPYC
+# Zen 4, 2026-12-07). Here it is a pass over x on the calling thread before the matmul reads it.
+# Rows x contraction from which the norm is spread over numba's threads: a prefill's rows, not a decode step's.
+NORM_PARALLEL_FLOATS = 1 << 18
+
+
+@numba.njit(fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", inline="always")
+def _norm_row(x_addr, w_addr, eps, out_addr, kc, r):
+    """Row ``r`` of x [m, kc] RMS-normed into out (``model.rms_norm``: x * rsqrt(mean(x^2) + eps), times the weight)."""
+    x, w, out = float32s(x_addr + r * kc * 4, kc), float32s(w_addr, kc), float32s(out_addr + r * kc * 4, kc)
+    total = np.float32(0.0)
+    for k in range(kc):
+        total += x[k] * x[k]
+    inv = np.float32(1.0) / np.sqrt(total / np.float32(kc) + eps)
+    for k in range(kc):
+        out[k] = w[k] * (x[k] * inv)
+
+
+@numba.njit
+def _normed(x_addr, w_addr, eps, m, kc):
+    """x [m, kc] RMS-normed with weight [kc] (``_norm_row``), a new array [m * kc] (at least one float: ``_call``
+    writes one after the matmul), on the calling thread."""
+    out = np.empty(max(m * kc, 1), np.float32)
+    for r in range(m):
+        _norm_row(x_addr, w_addr, eps, out.ctypes.data, kc, r)
+    return out
+
+
+@numba.njit(parallel=True)
+def _normed_parallel(x_addr, w_addr, eps, m, kc):
+    """The same with the rows spread over numba's threads where there are ``NORM_PARALLEL_FLOATS`` or more."""
+    if m * kc < NORM_PARALLEL_FLOATS:
+        return _normed(x_addr, w_addr, eps, m, kc)
+    out = np.empty(max(m * kc, 1), np.float32)
+    out_addr = out.ctypes.data
+    for r in numba.prange(m):
+        _norm_row(x_addr, w_addr, eps, out_addr, kc, r)
+    return out
+
+
 # --- a Mixture-of-Experts layer's routed experts (``cpu_dense.routed_experts``) ------------------------------------
 
 
@@ -431,19 +473,23 @@ def _routed_operands(frame):
 
 @numba.njit(inline="always")
 def _operands(frame):
-    """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``, flags ``AMX`` and ``TILED``); x's address, layer
-    ``layer``'s panels' address, out's, its tiles' (0 without ``TILED``); rows, contraction and panels (x [M, Kc],
-    w [L, P, Kc, PANEL], layer and mode int32 scalars; with ``TILED`` a fifth operand, w's tiles [L, P, Kc / 32,
-    6 x 512] uint16; in ``ADD`` mode the last operand, the residual, is out's own buffer)."""
-    args, rets = arguments(frame, 5)
+    """The call's mode (``cpu_dense.PLAIN``, ``GATED`` or ``ADD``, flags ``AMX``, ``TILED`` and ``NORMED``); x's
+    address, layer ``layer``'s panels' address, out's, its tiles' (0 without ``TILED``); rows, contraction and panels;
+    the norm's weight's address (0 without ``NORMED``) and eps. x [M, Kc], w [L, P, Kc, PANEL], layer and mode int32
+    scalars; with ``TILED`` the next operand, w's tiles [L, P, Kc / 32, 6 x 512] uint16; with ``NORMED`` the next
+    two, the norm's weight [Kc] and its eps (a float32 scalar); in ``ADD`` mode the last operand, the residual, is
+    out's own buffer."""
+    args, rets = arguments(frame, 8)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
     layer, mode = scalar_i32(args, 2), scalar_i32(args, 3)
     w_addr = address(w_data) + layer * w_dims[1] * w_dims[2] * PANEL * 4
-    tiles = 0
+    tiles, at = 0, 4
     if mode & TILED:
-        tiles = address(buffer(args, 4)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE
-    return mode, address(x_data), w_addr, address(buffer(rets, 0)[0]), tiles, x_dims[0], x_dims[1], w_dims[1]
+        tiles, at = address(buffer(args, at)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE, at + 1
+    norm, eps = (address(buffer(args, at)[0]), ffi.scalar_f32(args, at + 1)) if mode & NORMED else (0, np.float32(0.0))
+    return (mode, address(x_data), w_addr, address(buffer(rets, 0)[0]), tiles, x_dims[0], x_dims[1], w_dims[1], norm,
+            eps)
 
 
 @numba.njit(inline="always")
@@ -472,9 +518,10 @@ def _split(frame, split):
 
 
 @numba.njit(inline="always")
-def _call(frame, routed, glu, matmul, amx, split):
+def _call(frame, routed, glu, matmul, amx, split, normed):
     """The call's kernel on its operands: the routed experts (``ROUTED`` mode), a weight's split into AMX's tiles
-    (``SPLIT``), or a dense matmul (on AMX's tiles where the mode has ``AMX``)."""
+    (``SPLIT``), or a dense matmul (on AMX's tiles where the mode has ``AMX``; of x RMS-normed by ``normed`` first
+    where it has ``NORMED``)."""
     mode = scalar_i32(arguments(frame, 4)[0], 3)
     if mode == ROUTED:
         x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
@@ -482,8 +529,13 @@ def _call(frame, routed, glu, matmul, amx, split):
     elif mode == SPLIT:
         _split(frame, split)
     else:
-        mode, x, w, out, tiles, m, kc, panels = _operands(frame)
-        _by_mode(glu, matmul, amx, mode, x, w, out, tiles, m, kc, panels)
+        mode, x, w, out, tiles, m, kc, panels, norm, eps = _operands(frame)
+        if mode & NORMED:
+            xn = normed(x, norm, eps, m, kc)
+            _by_mode(glu, matmul, amx, mode & ~NORMED, xn.ctypes.data, w, out, tiles, m, kc, panels)
+            xn[0] = 0  # (xn is read through its address above: a use after the call keeps numba from freeing it first)
+        else:
+            _by_mode(glu, matmul, amx, mode, x, w, out, tiles, m, kc, panels)
 
 
 @numba.njit
@@ -504,12 +556,12 @@ _amx, _amx_parallel, _split_panels = ((amx_kernel.matmul, amx_kernel.matmul_para
 
 @numba.njit
 def _dense(frame):
-    _call(frame, _routed, _glu, _matmul, _amx, _split_panels)
+    _call(frame, _routed, _glu, _matmul, _amx, _split_panels, _normed)
 
 
 @numba.njit
 def _dense_parallel(frame):
-    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel, _split_panels)
+    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel, _split_panels, _normed_parallel)
 
 
 def _handler(frame_addr):  # compiled by compile_handler

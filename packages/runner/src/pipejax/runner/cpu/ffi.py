@@ -77,6 +77,12 @@ def scalar_i32(args, i):
 
 
 @numba.njit(inline="always")
+def scalar_f32(args, i):
+    data, _ = buffer(args, i)
+    return numba.carray(data, (1,), np.float32)[0]
+
+
+@numba.njit(inline="always")
 def vector_i32(args, i):
     data, dims = buffer(args, i)
     return numba.carray(data, (dims[0],), np.int32)
