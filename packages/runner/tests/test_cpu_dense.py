@@ -152,7 +152,7 @@ def test_x_rms_normed_as_the_kernel_reads_it(rows, kc, gated):
         step = jax.jit(lambda x, s, kernels=kernels: project(x, panels, 1, kernels, norm=(s, 1e-5), gated=gated))
         got = np.asarray(step(x, scale))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"kernels={kernels}")
-    with pytest.raises(ValueError, match="only a dense kernel over weights in panels norms x itself"):
+    with pytest.raises(ValueError, match="only a dense kernel over weights in panels norms x or rotates heads itself"):
         dense(x, jax.numpy.asarray(w), 1, None, norm=(scale, 1e-5))
 
 
@@ -388,3 +388,31 @@ def test_amx_block_order_takes_each_piece_product_once_per_tile_pair():
     assert sorted(products) == sorted((qx, qw, r, h) for qx, qw in ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0))
                                       for r in range(2) for h in range(2))
     assert after == {"x": {0: 0, 1: 0}, "w": {0: 2, 1: 2}}
+
+
+@pytest.mark.parametrize("rows", [1, 13, 420])
+def test_q_and_k_heads_rotated_after_the_product(rows):
+    """``rotary``: a layer's qkv [T, K, G + 2, D] with its query and key heads rotated by the kernel once the product
+    is done (420 rows x 2 groups of 5 heads x 64 past ``NORM_PARALLEL_FLOATS``: over numba's threads where the handler
+    is parallel), and by XLA after the dot where the kernel is not built, match ``rope.apply_rope`` of numpy's
+    product; the value heads are left as they were."""
+    from pipejax.runner.cpu import dense_kernel
+    from pipejax.runner.rope import apply_rope, rope_tables
+
+    K, G, D, E = 2, 3, 64, 96
+    assert (rows * K * (G + 2) * D >= dense_kernel.NORM_PARALLEL_FLOATS) == (rows == 420)
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, E), np.float32)
+    w = rng.standard_normal((E, K, G + 2, D), np.float32)
+    tables = rope_tables(jax.numpy.asarray(rng.integers(0, 4000, rows)), 1.0 / 10000 ** (np.arange(0, D, 2) / D),
+                         jax.numpy.float32)
+    y = np.tensordot(x.astype(np.float64), w.astype(np.float64), 1)  # [T, K, G + 2, D]
+    turned = np.asarray(apply_rope(jax.numpy.asarray(y[:, :, :G + 1].reshape(rows, -1, D), np.float32), tables))
+    want = y.copy()
+    want[:, :, :G + 1] = turned.reshape(rows, K, G + 1, D)
+    panels = Panels(jax.numpy.asarray(_in_panels(w, 1)))
+    for matmul in (cpu_dense.matmul, functools.partial(cpu_dense.matmul, xla_rows=1)):
+        step = jax.jit(lambda x, t, matmul=matmul: dense(x, panels, 1, matmul, rotary=(t, G + 2, G + 1)))
+        np.testing.assert_allclose(np.asarray(step(x, tables)), want, rtol=1e-4, atol=1e-3, err_msg=f"{matmul}")
+    with pytest.raises(ValueError, match="neither gated nor added"):
+        cpu_dense.matmul(x, panels.data[None], 0, True, rotary=(tables, G + 2, G + 1))

@@ -173,7 +173,7 @@ class Kernels(NamedTuple):
     """A backend's substitutes for parts of this file's XLA formulation (None: the formulation here). The CPU
     backend's come from ``pipejax.runner.cpu.select``; every other backend runs this file as it reads."""
 
-    dense: Callable | None = None  # a matmul over weights in panels, RMS-norming x where asked (see ``dense``)
+    dense: Callable | None = None  # a matmul over weights in panels, norming x, rotating heads where asked (``dense``)
     quantized_dense: Callable | None = None  # a matmul over weights kept quantized in panels (``QuantizedPanels``)
     decode_attention: Callable | None = None  # replaces ``decode_attention`` (see ``paged_attention``)
     prefill_attention: Callable | None = None  # replaces ``prefill_attention`` (see ``paged_attention``)
@@ -183,12 +183,18 @@ class Kernels(NamedTuple):
 NO_KERNELS = Kernels()
 
 
+def in_kernel(w, kernels: Kernels) -> bool:
+    """Whether the backend's dense kernel computes the product with ``w``, and so norms x and rotates heads itself
+    (``Kernels.dense`` takes ``norm`` and ``rotary``)."""
+    return kernels.dense is not None and isinstance(w, Panels)
+
+
 def project(x: jax.Array, w, contracted: int, kernels: Kernels, norm: tuple[jax.Array, float] | None = None,
             **how) -> jax.Array:
-    """``panels.dense`` with the backend's kernel for the way ``w`` is stored (``how``: gated, residual), of x
-    RMS-normed with ``norm`` (weight, eps) where given: by the dense kernel as it reads x (``Kernels.dense`` takes
-    ``norm``), else here."""
-    if norm is not None and not (kernels.dense is not None and isinstance(w, Panels)):
+    """``panels.dense`` with the backend's kernel for the way ``w`` is stored (``how``: gated, residual, and where
+    ``in_kernel`` rotary), of x RMS-normed with ``norm`` (weight, eps) where given: by the dense kernel as it reads x,
+    else here."""
+    if norm is not None and not in_kernel(w, kernels):
         x, norm = rms_norm(x, *norm), None
     kernel = kernels.quantized_dense if isinstance(w, QuantizedPanels) else kernels.dense
     return dense(x, w, contracted, kernel, norm=norm, **how)
@@ -359,7 +365,12 @@ def attention(
     """The attention of x [T, E] (normed by the layer's input norm) before its output projection ([T, H, D]), and the
     caches with the step's K/V."""
     cfg, inp = ctx.cfg, ctx.inp
-    qkv = project(x, p["qkv"], 1, ctx.kernels, norm=(p["input_norm"], cfg.rms_norm_eps))  # [T, K, G + 2, D]
+    # the dense kernel rotates q and k as it writes them, where nothing comes between the product and the rotation;
+    # it runs on one device, where no KV head is replicated: each KV head's group is its query heads, k and v
+    rotary = in_kernel(p["qkv"], ctx.kernels) and not (cfg.qkv_bias or cfg.qk_norm)
+    group = cfg.num_heads // cfg.num_kv_heads + 2
+    how = {"rotary": (ctx.rope, group, group - 1)} if rotary else {}
+    qkv = project(x, p["qkv"], 1, ctx.kernels, norm=(p["input_norm"], cfg.rms_norm_eps), **how)  # [T, K, G + 2, D]
     G = qkv.shape[2] - 2  # query heads per KV head
     q = qkv[:, :, :G].reshape(qkv.shape[0], -1, qkv.shape[-1])  # [T, H, D]: query head g of KV head k is k * G + g
     k, v = qkv[:, :, G], qkv[:, :, G + 1]  # [T, K, D]
@@ -367,7 +378,8 @@ def attention(
         q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
     if cfg.qk_norm:
         q, k = rms_norm(q, p["q_norm"], cfg.rms_norm_eps), rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
+    if not rotary:
+        q, k = apply_rope(q, ctx.rope), apply_rope(k, ctx.rope)
     block, offset = inp.slot_mapping // ctx.block_size, inp.slot_mapping % ctx.block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))

@@ -128,16 +128,18 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable | None = None,
-          gated: bool = False, residual: jax.Array | None = None, norm: tuple | None = None) -> jax.Array:
+          gated: bool = False, residual: jax.Array | None = None, norm: tuple | None = None,
+          rotary: tuple | None = None) -> jax.Array:
     """x [T, *in] @ w ([*in, *out], or those in panels) -> [T, *out]. ``kernel``: a matmul of x [T, prod(in)]
     with layer ``layer`` of panels [L, out / PANEL, prod(in), PANEL] (``model.Kernels.dense``), used for weights
     in panels. ``gated``: w's outputs are [2, *rest] (gate, up), and the result swiglu(gate, up) [T, *rest].
     ``residual`` [T, *out]: the result is residual + x @ w (the kernel adds it in place). A weight kept quantized
     (``quantized.Quantized``) is dequantized into the dot; in panels (``QuantizedPanels``) ``kernel`` is the
     quantized one (``model.Kernels.quantized_dense``). ``norm``: (weight, eps) of an RMS norm the kernel applies to x
-    as it reads it: only for weights in panels with a kernel (``model.project`` norms x itself otherwise)."""
-    if norm is not None and not (kernel is not None and isinstance(w, Panels)):
-        raise ValueError("only a dense kernel over weights in panels norms x itself")
+    as it reads it; ``rotary``: (tables, group, rotated) of rotary embeddings it applies to the result's heads
+    (``cpu.dense.matmul``): both only for weights in panels with a kernel (``model.project`` does them otherwise)."""
+    if (norm is not None or rotary is not None) and not (kernel is not None and isinstance(w, Panels)):
+        raise ValueError("only a dense kernel over weights in panels norms x or rotates heads itself")
     if isinstance(w, Quantized):
         w = dequantize(w, x.dtype)
     if isinstance(w, QuantizedPanels):
@@ -154,9 +156,9 @@ def dense(x: jax.Array, w: jax.Array | Panels, contracted: int, kernel: Callable
         layers, layer = (1, 0) if w.layer is None else (data.shape[0], w.layer)
         flat_residual = None if residual is None else residual.reshape(x.shape[0], -1)
         tiles = {} if w.tiles is None else {"tiles": w.tiles.reshape(layers, -1, *w.tiles.shape[-2:])}
-        normed = {} if norm is None else {"norm": norm}
+        extra = {name: v for name, v in (("norm", norm), ("rotary", rotary)) if v is not None}
         y = kernel(flat, data.reshape(layers, -1, flat.shape[1], PANEL), layer, gated, flat_residual, **tiles,
-                   **normed)
+                   **extra)
         return y.reshape((out_shape[0], *out_shape[2:]) if gated else out_shape)
     if w.layer is not None:
         data = data[w.layer]

@@ -25,6 +25,7 @@ from pipejax.runner.cpu import isa
 from pipejax.runner.cpu.build import build_and_register
 from pipejax.runner.model import rms_norm
 from pipejax.runner.panels import Panels, swiglu
+from pipejax.runner.rope import RopeTables, apply_rope
 
 KERNEL = "pipejax.runner.cpu.dense_kernel"  # the numba module that builds the handler
 TARGET = "pipejax_panel_matmul"
@@ -82,6 +83,9 @@ PLAIN, GATED, ADD, ROUTED, SPLIT = 0, 1, 2, 3, 4  # SPLIT: a weight's panels -> 
 AMX = 8  # a flag on PLAIN, GATED or ADD: the call runs on AMX's bf16 tiles at fp32 accuracy (``amx_kernel``)
 TILED = 16  # a flag with AMX: the weight's tiles come split already (``weight_tiles``), an operand after the mode
 NORMED = 32  # a flag on PLAIN, GATED or ADD: x is RMS-normed first; its weight [Kc] and eps follow (after the tiles)
+# a flag on PLAIN: the result's query and key heads rotated (rotary embeddings) at the end; the tables cos and signed
+# sin [M, D], the heads a group has and how many of them at its start rotate (int32) follow (after the norm's)
+ROTARY = 64
 # the largest weight the AMX path splits into its tiles per call (6 bytes a weight): an LM head stays on the FMA tiles
 AMX_MAX_TILE_BYTES = 64 << 20
 
@@ -89,7 +93,8 @@ AMX_MAX_TILE_BYTES = 64 << 20
 def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: bool = False,
            residual: jax.Array | None = None, amx_rows: int | None = None, kept_rows: int | None = None,
            tiles: jax.Array | None = None, xla_rows: int | None = None,
-           norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+           norm: tuple[jax.Array, float] | None = None, rotary: tuple[RopeTables, int, int] | None = None
+           ) -> jax.Array:
     """x [M, Kc] @ panels[layer] -> [M, P * PANEL], float32, for panels [L, P, Kc, PANEL] and a scalar
     ``layer`` (the whole stack goes in: a slice of it would be a copy). ``gated``: the first half of the panels
     a gate, the second its up projection, and the result silu(gate) * up [M, P / 2 * PANEL], computed while
@@ -101,7 +106,10 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     weight into them. ``tiles``: the weight's tiles kept (``weight_tiles``, [L, ...] as ``panels``), which a call
     of ``kept_rows`` rows or more (and fewer than ``amx_rows``) reads instead. ``xla_rows``: a call of that many
     rows or more is XLA's dot over the panels (where it measured faster than the kernel at a prefill's rows).
-    ``norm``: (weight [Kc], eps): x is RMS-normed first (``model.rms_norm``), by the kernel as it reads x."""
+    ``norm``: (weight [Kc], eps): x is RMS-normed first (``model.rms_norm``), by the kernel as it reads x.
+    ``rotary``: (tables, group, rotated): the result is heads of D = the tables' width in groups of ``group`` (a
+    layer's qkv: per KV head its query heads, its key, its value), and the first ``rotated`` heads of each group are
+    rotated (``rope.apply_rope``) by the kernel once the product is done (not with ``gated`` or ``residual``)."""
     n = panels.shape[1] * panels.shape[3]
     if gated and residual is not None:
         raise ValueError("a gated matmul takes no residual")
@@ -109,6 +117,7 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
             or (xla_rows is not None and x.shape[0] >= xla_rows)):
         x = x if norm is None else rms_norm(x, *norm)
         y = jnp.einsum("mk,pkc->mpc", x, panels[layer]).reshape(x.shape[0], n)
+        y = y if rotary is None else _rotated(y, *rotary)
         y = swiglu(y[:, : n // 2], y[:, n // 2:]) if gated else y
         return y if residual is None else residual + y
     layer = jnp.asarray(layer, jnp.int32)
@@ -121,12 +130,26 @@ def matmul(x: jax.Array, panels: jax.Array, layer: jax.Array | int = 0, gated: b
     if norm is not None:
         flags |= NORMED
         given += (norm[0].astype(jnp.float32), jnp.float32(norm[1]))
+    if rotary is not None:
+        if gated or residual is not None:
+            raise ValueError("a rotated matmul is neither gated nor added to a residual")
+        tables, group, rotated = rotary
+        flags |= ROTARY
+        given += (*(t.reshape(m, -1).astype(jnp.float32) for t in tables), jnp.int32(group), jnp.int32(rotated))
     if residual is not None:
         call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32),
                                 input_output_aliases={4 + len(given): 0})
         return call(x, panels, layer, jnp.int32(ADD | flags), *given, residual.astype(jnp.float32))
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n // 2 if gated else n), jnp.float32))
     return call(x, panels, layer, jnp.int32((GATED if gated else PLAIN) | flags), *given)
+
+
+def _rotated(y: jax.Array, tables: RopeTables, group: int, rotated: int) -> jax.Array:
+    """``matmul``'s ``rotary`` in XLA: y [M, N] as [M, N / (group D), group, D], the first ``rotated`` heads of each
+    group rotated."""
+    heads = y.reshape(y.shape[0], -1, group, tables.cos.shape[-1])
+    turned = apply_rope(heads[:, :, :rotated].reshape(y.shape[0], -1, heads.shape[-1]), tables)
+    return heads.at[:, :, :rotated].set(turned.reshape(heads[:, :, :rotated].shape)).reshape(y.shape)
 
 
 def tiles_shape(panels_shape: tuple[int, ...]) -> tuple[int, ...] | None:

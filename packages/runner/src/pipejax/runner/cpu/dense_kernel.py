@@ -21,7 +21,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from pipejax.runner.cpu import amx_kernel, ffi, isa, prefetch
-from pipejax.runner.cpu.dense import ADD, AMX, GATED, NORMED, ROUTED, SPLIT, TILED
+from pipejax.runner.cpu.dense import ADD, AMX, GATED, NORMED, ROTARY, ROUTED, SPLIT, TILED
 from pipejax.runner.cpu.ffi import address, arguments, buffer, float32s, handler_compiler, ptr, scalar_i32, serve
 from pipejax.runner.cpu.ir_loop import CountedLoop, fma, splat
 from pipejax.runner.cpu.vector_exp import exp_f32
@@ -341,6 +341,39 @@ def _normed_parallel(x_addr, w_addr, eps, m, kc):
     return out
 
 
+@numba.njit(fastmath={"reassoc", "contract", "nsz"}, error_model="numpy", inline="always")
+def _rotate_row(out_addr, n, cos_addr, sin_addr, d, group, rotated, r):
+    """Row ``r`` of out [m, n] (heads of ``d`` in groups of ``group``): the first ``rotated`` heads of each group
+    rotated in place by the row's tables cos and signed sin [m, d] (``rope.apply_rope``: x * cos + swapped halves
+    of x * sin)."""
+    half = d // 2
+    cos, sin = float32s(cos_addr + r * d * 4, d), float32s(sin_addr + r * d * 4, d)
+    for g in range(n // (group * d)):
+        for j in range(rotated):
+            x = float32s(out_addr + (r * n + (g * group + j) * d) * 4, d)
+            for i in range(half):
+                a, b = x[i], x[i + half]
+                x[i] = a * cos[i] + b * sin[i]
+                x[i + half] = b * cos[i + half] + a * sin[i + half]
+
+
+@numba.njit
+def _rotate(out_addr, m, n, cos_addr, sin_addr, d, group, rotated):
+    """``_rotate_row`` over out's rows, on the calling thread."""
+    for r in range(m):
+        _rotate_row(out_addr, n, cos_addr, sin_addr, d, group, rotated, r)
+
+
+@numba.njit(parallel=True)
+def _rotate_parallel(out_addr, m, n, cos_addr, sin_addr, d, group, rotated):
+    """The same with the rows spread over numba's threads where there are ``NORM_PARALLEL_FLOATS`` or more floats."""
+    if m * n < NORM_PARALLEL_FLOATS:
+        _rotate(out_addr, m, n, cos_addr, sin_addr, d, group, rotated)
+        return
+    for r in numba.prange(m):
+        _rotate_row(out_addr, n, cos_addr, sin_addr, d, group, rotated, r)
+
+
 # --- a Mixture-of-Experts layer's routed experts (``cpu_dense.routed_experts``) ------------------------------------
 
 
@@ -477,9 +510,10 @@ def _operands(frame):
     address, layer ``layer``'s panels' address, out's, its tiles' (0 without ``TILED``); rows, contraction and panels;
     the norm's weight's address (0 without ``NORMED``) and eps. x [M, Kc], w [L, P, Kc, PANEL], layer and mode int32
     scalars; with ``TILED`` the next operand, w's tiles [L, P, Kc / 32, 6 x 512] uint16; with ``NORMED`` the next
-    two, the norm's weight [Kc] and its eps (a float32 scalar); in ``ADD`` mode the last operand, the residual, is
-    out's own buffer."""
-    args, rets = arguments(frame, 8)
+    two, the norm's weight [Kc] and its eps (a float32 scalar); with ``ROTARY`` the next four, the tables cos and
+    signed sin [M, D], the heads of a group and how many of them rotate (int32 scalars): those as ``rotary``
+    (addresses, D, group, rotated); in ``ADD`` mode the last operand, the residual, is out's own buffer."""
+    args, rets = arguments(frame, 12)
     x_data, x_dims = buffer(args, 0)
     w_data, w_dims = buffer(args, 1)
     layer, mode = scalar_i32(args, 2), scalar_i32(args, 3)
@@ -487,9 +521,16 @@ def _operands(frame):
     tiles, at = 0, 4
     if mode & TILED:
         tiles, at = address(buffer(args, at)[0]) + layer * w_dims[1] * w_dims[2] // 32 * 6 * amx_kernel.TILE, at + 1
-    norm, eps = (address(buffer(args, at)[0]), ffi.scalar_f32(args, at + 1)) if mode & NORMED else (0, np.float32(0.0))
+    norm, eps = 0, np.float32(0.0)
+    if mode & NORMED:
+        norm, eps, at = address(buffer(args, at)[0]), ffi.scalar_f32(args, at + 1), at + 2
+    rotary = (0, 0, 1, 1, 0)  # the tables' addresses, head width, group, rotated heads
+    if mode & ROTARY:
+        cos_data, cos_dims = buffer(args, at)
+        rotary = (address(cos_data), address(buffer(args, at + 1)[0]), cos_dims[1], scalar_i32(args, at + 2),
+                  scalar_i32(args, at + 3))
     return (mode, address(x_data), w_addr, address(buffer(rets, 0)[0]), tiles, x_dims[0], x_dims[1], w_dims[1], norm,
-            eps)
+            eps, rotary)
 
 
 @numba.njit(inline="always")
@@ -518,10 +559,10 @@ def _split(frame, split):
 
 
 @numba.njit(inline="always")
-def _call(frame, routed, glu, matmul, amx, split, normed):
+def _call(frame, routed, glu, matmul, amx, split, normed, rotate):
     """The call's kernel on its operands: the routed experts (``ROUTED`` mode), a weight's split into AMX's tiles
     (``SPLIT``), or a dense matmul (on AMX's tiles where the mode has ``AMX``; of x RMS-normed by ``normed`` first
-    where it has ``NORMED``)."""
+    where it has ``NORMED``; its heads rotated by ``rotate`` after where it has ``ROTARY``)."""
     mode = scalar_i32(arguments(frame, 4)[0], 3)
     if mode == ROUTED:
         x, gate_up, first, down, chosen, weights, out, t, e, gu_panels, fm = _routed_operands(frame)
@@ -529,13 +570,16 @@ def _call(frame, routed, glu, matmul, amx, split, normed):
     elif mode == SPLIT:
         _split(frame, split)
     else:
-        mode, x, w, out, tiles, m, kc, panels, norm, eps = _operands(frame)
+        mode, x, w, out, tiles, m, kc, panels, norm, eps, rotary = _operands(frame)
+        plain = mode & ~(NORMED | ROTARY)
         if mode & NORMED:
             xn = normed(x, norm, eps, m, kc)
-            _by_mode(glu, matmul, amx, mode & ~NORMED, xn.ctypes.data, w, out, tiles, m, kc, panels)
+            _by_mode(glu, matmul, amx, plain, xn.ctypes.data, w, out, tiles, m, kc, panels)
             xn[0] = 0  # (xn is read through its address above: a use after the call keeps numba from freeing it first)
         else:
-            _by_mode(glu, matmul, amx, mode, x, w, out, tiles, m, kc, panels)
+            _by_mode(glu, matmul, amx, plain, x, w, out, tiles, m, kc, panels)
+        if mode & ROTARY:
+            rotate(out, m, panels * PANEL, *rotary)
 
 
 @numba.njit
@@ -556,12 +600,13 @@ _amx, _amx_parallel, _split_panels = ((amx_kernel.matmul, amx_kernel.matmul_para
 
 @numba.njit
 def _dense(frame):
-    _call(frame, _routed, _glu, _matmul, _amx, _split_panels, _normed)
+    _call(frame, _routed, _glu, _matmul, _amx, _split_panels, _normed, _rotate)
 
 
 @numba.njit
 def _dense_parallel(frame):
-    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel, _split_panels, _normed_parallel)
+    _call(frame, _routed_parallel, _glu_parallel, _matmul_parallel, _amx_parallel, _split_panels, _normed_parallel,
+          _rotate_parallel)
 
 
 def _handler(frame_addr):  # compiled by compile_handler
