@@ -258,3 +258,27 @@ def test_concurrent_callers_each_get_their_own_rows():
     import numba
 
     assert numba.threading_layer() == "tbb"  # the parallel build ran (tbb is a dependency)
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_reads_the_query_heads_out_of_a_layers_qkv(rows, monkeypatch):
+    """``heads``: q_rows is a layer's qkv [R, K (G + 2), D] (per KV head its G query heads, its key, its value), as a
+    decode-only step on one device hands it over; the kernel (40 rows: over numba's threads where the handler is
+    parallel) and XLA's formulation where the kernel is not built match numpy's attention of the query heads
+    alone."""
+    G = 3
+    rng = np.random.default_rng(rows)
+    B = 6
+    k = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    v = rng.standard_normal((L, N, BLOCK, K, D), np.float32)
+    qkv = rng.standard_normal((rows, K, G + 2, D), np.float32)
+    q = qkv[:, :, :G].reshape(rows, K * G, D)
+    tables = rng.integers(0, N, (rows, B)).astype(np.int32)
+    start_pos = rng.integers(0, B * BLOCK, rows).astype(np.int32)
+    want = _reference(q, k, v, 1, tables, start_pos, 0)
+    for built in (True, False):
+        if not built:
+            monkeypatch.setattr(kernel, "_handler", lambda: None)
+        step = jax.jit(kernel.paged_decode_attention, static_argnums=(6, 7))
+        got = step(qkv.reshape(rows, -1, D), k, v, jnp.int32(1), tables, start_pos, 0, K * G)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"kernel built: {built}")

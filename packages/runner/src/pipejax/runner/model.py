@@ -309,12 +309,16 @@ def paged_attention(
     shape: StepShape,
     sliding_window: int | None,
     kernels: Kernels = NO_KERNELS,
+    heads: int | None = None,
 ) -> jax.Array:
     """Causal attention of every token against its own request's cached context. Returns [T, H, D].
     ``kernels.decode_attention`` replaces ``decode_attention``, ``kernels.prefill_attention`` ``prefill_attention``
-    (each over the whole cache and a layer index)."""
+    (each over the whole cache and a layer index). ``heads``: q is a layer's qkv [T, K (G + 2), D] with H = ``heads``
+    query heads, which the decode kernel reads where they are (a decode-only step on one device only)."""
     _, H, D = q.shape
     P = shape.prefill_rows
+    if heads is not None and (P or kernels.decode_attention is None):
+        raise ValueError("only the decode kernel of a decode-only step reads the query heads out of qkv")
     parts = []
     if P:
         rows = slice(0, P)
@@ -334,7 +338,8 @@ def paged_attention(
             # a decode-only step's rows are its tokens in order (``build_step_inputs``; a padding row reads its own
             # padding token, not token 0): no gather, which XLA:CPU runs as a slow scalar loop fused with the rope
             q_rows = q[query_start] if P else q
-            out = kernels.decode_attention(q_rows, k_cache, v_cache, layer, tables, start_pos, sliding_window)
+            given = () if heads is None else (heads,)
+            out = kernels.decode_attention(q_rows, k_cache, v_cache, layer, tables, start_pos, sliding_window, *given)
             parts.append(out.astype(q.dtype))
         else:
             parts.append(decode_attention(q, k_cache[layer], v_cache[layer], query_start, start_pos, tables,
@@ -383,7 +388,13 @@ def attention(
     block, offset = inp.slot_mapping // ctx.block_size, inp.slot_mapping % ctx.block_size
     k_cache = k_cache.at[layer, block, offset].set(k.astype(k_cache.dtype))
     v_cache = v_cache.at[layer, block, offset].set(v.astype(v_cache.dtype))
-    out = paged_attention(q, k_cache, v_cache, layer, inp, ctx.shape, cfg.sliding_window, ctx.kernels)
+    if rotary and not ctx.shape.prefill_rows and ctx.kernels.decode_attention is not None:
+        # a decode-only step: the kernel reads the query heads out of qkv itself (XLA would copy them out first)
+        whole = qkv.reshape(qkv.shape[0], -1, qkv.shape[-1])
+        out = paged_attention(whole, k_cache, v_cache, layer, inp, ctx.shape, cfg.sliding_window, ctx.kernels,
+                              heads=q.shape[1])
+    else:
+        out = paged_attention(q, k_cache, v_cache, layer, inp, ctx.shape, cfg.sliding_window, ctx.kernels)
     return out, k_cache, v_cache
 
 

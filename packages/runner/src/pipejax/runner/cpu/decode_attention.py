@@ -62,19 +62,27 @@ def usable(dtype, devices: list[jax.Device]) -> bool:
 def for_mesh(mesh: Mesh) -> Callable:
     """The kernel for a stage on ``mesh`` (``sharded.on_each_device``): over ``tp`` devices each runs it on its own
     heads, the queries split over heads and the cache over KV heads as the model shards them; the rows' block
-    tables and positions whole on each, the sliding window static."""
+    tables and positions whole on each, the sliding window static (and ``heads``, for one device only: over tp
+    devices q_rows is [R, H, D])."""
     heads = P(None, TP_AXIS, None)  # q_rows [R, H, D], and the result
     return on_each_device(paged_decode_attention, mesh, (heads, CACHE_SPEC, CACHE_SPEC, P(), P(), P()), heads)
 
 
-def paged_decode_attention(q_rows, k_cache, v_cache, layer, block_tables, start_pos, sliding_window):
+def paged_decode_attention(q_rows, k_cache, v_cache, layer, block_tables, start_pos, sliding_window,
+                           heads: int | None = None):
     """Rows of one query token each. q_rows [R, H, D]; k_cache/v_cache [L, N, block_size, K, D] (whole:
     a layer slice would be a copy); layer: scalar; block_tables [R, B]; start_pos [R]; sliding_window: None or
-    0 for none. Returns [R, H, D]."""
+    0 for none. ``heads``: q_rows is a layer's qkv rows [R, K (G + 2), D] (per KV head its G query heads, its key,
+    its value) and H = ``heads``; the kernel reads the query heads where they are (XLA would copy them out
+    first). Returns [R, H, D]."""
+    R, _, D = q_rows.shape
+    H = heads or q_rows.shape[1]
     if _handler() is None:
-        rows = jnp.arange(q_rows.shape[0])
-        return decode_attention(q_rows, k_cache[layer], v_cache[layer], rows, start_pos, block_tables,
+        if heads:
+            K = k_cache.shape[3]
+            q_rows = q_rows.reshape(R, K, -1, D)[:, :, :H // K].reshape(R, H, D)
+        return decode_attention(q_rows, k_cache[layer], v_cache[layer], jnp.arange(R), start_pos, block_tables,
                                 sliding_window or None)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q_rows.shape, jnp.float32))
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((R, H, D), jnp.float32))
     ints = (jnp.asarray(layer, jnp.int32), block_tables.astype(jnp.int32), start_pos.astype(jnp.int32))
     return call(q_rows.astype(jnp.float32), k_cache, v_cache, *ints, jnp.int32(sliding_window or 0))

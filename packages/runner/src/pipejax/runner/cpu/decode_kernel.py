@@ -54,16 +54,18 @@ def _values(p_addr, v_addr, stride, slots, out_addr, chunks):
 @numba.njit(fastmath=True, error_model="numpy", inline="always")
 def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window, out, r, kh_lo, kh_hi, scores, qs,
                 acc, totals):
-    """Row ``r``'s query heads of KV heads [kh_lo, kh_hi): q [R, H, D]; k_flat/v_flat: caches
+    """Row ``r``'s query heads of KV heads [kh_lo, kh_hi): q [R, H, D], or a layer's qkv [R, K (G + 2), D] whose first
+    G heads of each KV head's group are its query heads; k_flat/v_flat: caches
     [L, N, block_size, K, D] (``cache_shape``) flattened; tables [R, B]; start_pos [R] -> out[r, heads].
     Walks the row's blocks in order, so that its K and V are each read as one forward stream: 2.6x faster on one
     core than a pass per KV head, which strides through the blocks (12 layers x 64 rows x 129 slots: 22 against
     58 ms; a one-off probe, 2026-12-01). Within a block, each query head takes its KV head's slots in register tiles
     (``attention_tiles``), the head dimension's remainder past whole vectors in plain loops. scores
     [H, B * block_size + LANES] (a block's last tile writes whole vectors), qs and acc [H, D], totals [H]: scratch."""
-    _, H, D = q.shape
+    H, D = out.shape[1], out.shape[2]
     blocks, block_size, K = cache_shape[1], cache_shape[2], cache_shape[3]
     G = H // K
+    skip = 0 if q.shape[1] == H else 2  # heads past a group's queries in q (a qkv's key and value)
     context, width = tables.shape[1] * block_size, scores.shape[1]
     scale = np.float32(1.0 / math.sqrt(D))
     slot_stride = K * D
@@ -73,7 +75,7 @@ def _attend_row(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, window
     lo = max(0, start_pos[r] - window + 1) if window > 0 else 0
     for h in range(h_lo, h_hi):
         for d in range(D):
-            qs[h, d] = q[r, h, d] * scale
+            qs[h, d] = q[r, h + h // G * skip, d] * scale
     chunks = D // LANES
     b_last = (hi - 1) // block_size
     k_addr, v_addr, slot_bytes, head_bytes = k_flat.ctypes.data, v_flat.ctypes.data, slot_stride * 4, D * 4
@@ -140,7 +142,7 @@ def _attend_tasks(q, k_flat, v_flat, cache_shape, layer, tables, start_pos, wind
     its own, not inlined: ``_attend_row`` reads its scratch through pointers, which numba's parallel passes cannot
     see (inlined into the parallel loop, numba hoisted the scratch out of it, as its parallel diagnostics say, and
     the results came out wrong)."""
-    H, D, K = q.shape[1], q.shape[2], cache_shape[3]
+    H, D, K = out.shape[1], out.shape[2], cache_shape[3]
     scores = np.empty((H, tables.shape[1] * cache_shape[2] + LANES), np.float32)
     qs, acc, totals = np.empty((H, D), np.float32), np.empty((H, D), np.float32), np.empty(H, np.float32)
     for task in range(first, last):
