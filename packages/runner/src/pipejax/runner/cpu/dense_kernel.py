@@ -301,9 +301,10 @@ def _glu_parallel(x_addr, w_addr, out_addr, m, kc, panels):
 
 # --- x RMS-normed as a call reads it (``NORMED``): a decoder layer's qkv and gate_up, the LM head ---------------------
 # In XLA the norm's reduction ran as a fusion of its own on XLA's thread pool, handed to and back from numba's threads
-# around every dense call: 60-145 us a norm at a decode step's 64 rows x 768 (a profile of 196 KB of work; AMD EPYC
-# Zen 4, 2026-12-07). Here it is a pass over x on the calling thread before the matmul reads it.
-# Rows x contraction from which the norm is spread over numba's threads: a prefill's rows, not a decode step's.
+# around every dense call: 35-146 us a norm at a decode step's 64 rows x 768 (a profile of 196 KB of work; AMD EPYC
+# Zen 4 with AVX-512, 2026-12-07). Here it is a pass over x on the calling thread before the matmul reads it.
+# Rows x contraction from which the norm (and the rotary) is spread over numba's threads: set between a decode step's
+# 64 x 768 and a prefill's 2048 x 768, not tuned.
 NORM_PARALLEL_FLOATS = 1 << 18
 
 
